@@ -1,0 +1,9 @@
+// attn/attn.hpp: the whole public API.
+#pragma once
+
+#include "attn/attention.hpp"
+#include "attn/config.hpp"
+#include "attn/init.hpp"
+#include "attn/mask.hpp"
+#include "attn/softmax.hpp"
+#include "attn/tensor.hpp"

@@ -1,0 +1,144 @@
+// attn/kernels/flash.hpp: tiled attention with an online softmax (FlashAttention's forward).
+//
+//   q tile   (Bq, D)    rows [i0, i1) of one (b, h) head, pre-scaled into the workspace
+//   k tile   (Bk, D)    read in place through the strided head view, not transposed, not copied
+//   v tile   (Bk, Dv)   read in place
+//   s tile   (Bq, Bk)   scores, then probabilities, in the workspace
+//   acc      (Bq, Dv)   rescaled output accumulator, in the workspace
+//   m, l     (Bq)       running max and running sum of each row
+//
+// Extra memory per thread: Bq * (D + Bk + Dv + 3) scalars, independent of Lq and Lk; the
+// (Lq, Lk) scores never exist. Tiles the mask hides entirely are skipped without any
+// arithmetic (a causal mask does about half the work, a window O(L * window)); tiles it
+// shows entirely skip mask evaluation (only a bias, if any, is added).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+#include "attn/config.hpp"
+#include "attn/mask.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn::detail {
+
+/// Per-thread scratch of the flash kernel; sized once per call by reserve().
+template <class T>
+struct FlashWorkspace {
+  Matrix<T> q;      // (Bq, D)   scale * q tile
+  Matrix<T> s;      // (Bq, Bk)  scores -> probabilities
+  Matrix<T> acc;    // (Bq, Dv)  unnormalised output
+  Vector<T> m;      // (Bq)      running max
+  Vector<T> l;      // (Bq)      running sum of exp(score - m)
+  Vector<T> alpha;  // (Bq)    rescale factor of the current key tile
+
+  void reserve(Index query_tile, Index key_tile, Index dim, Index value_dim) {
+    q.resize(query_tile, dim);
+    s.resize(query_tile, key_tile);
+    acc.resize(query_tile, value_dim);
+    m.resize(query_tile);
+    l.resize(query_tile);
+    alpha.resize(query_tile);
+  }
+};
+
+/// Flash attention for queries [i0, i1) of one (batch b, query head h) pair.
+///   pass 1: q tile = scale * q[i0:i1]            (the scale folded into the GEMM operand)
+///   pass 2: for each key tile [j0, j1) the mask does not hide:
+///             s = q tile * k[j0:j1]^T             one GEMM on the strided view
+///             mask s unless the tile is fully visible (then only add the bias, if any)
+///             m' = max(m, rowmax s); p = exp(s - m'); l = l * exp(m - m') + rowsum p
+///             acc = acc * exp(m - m') + p * v[j0:j1]   one GEMM
+///   pass 3: out = acc / l (zeros when l = 0), logsumexp = m + log l
+/// `workspace` must have been reserved for at least (i1 - i0) query rows and key_tile keys.
+template <class T>
+void flash_attention_tile(const HeadMatrix<const T>& q,  // (Lq, D)
+                          const HeadMatrix<const T>& k,  // (Lk, D)
+                          const HeadMatrix<const T>& v,  // (Lk, Dv)
+                          HeadMatrix<T>& out,            // (Lq, Dv), rows [i0, i1) written
+                          const Mask<T>& mask, Index b, Index h, T scale, Index i0, Index i1,
+                          Index key_tile, FlashWorkspace<T>& workspace,
+                          T* logsumexp) {  // (Lq) or null, rows [i0, i1) written
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  using RowArray = Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>;
+  const Index rows = i1 - i0;
+  const Index value_dim = v.cols();
+  ATTN_ASSERT(rows > 0 && rows <= workspace.s.rows() && key_tile <= workspace.s.cols());
+
+  const auto [keys_first, keys_last] = mask.key_range(b, i0, i1);
+
+  auto m = workspace.m.head(rows);
+  auto l = workspace.l.head(rows);
+  m.setConstant(minus_inf);
+  l.setZero();
+  Eigen::Map<Matrix<T>, Eigen::Aligned16> acc(workspace.acc.data(), rows, value_dim);
+  bool first_tile = true;
+
+  if (keys_first < keys_last) {
+    Eigen::Map<Matrix<T>, Eigen::Aligned16> q_tile(workspace.q.data(), rows, q.cols());
+    q_tile.noalias() = scale * q.middleRows(i0, rows);  // pass 1
+
+    for (Index j0 = keys_first; j0 < keys_last; j0 += key_tile) {  // pass 2
+      const Index j1 = std::min(j0 + key_tile, keys_last);
+      const Index cols = j1 - j0;
+      const TileVisibility visibility = mask.classify(b, h, i0, i1, j0, j1);
+      if (visibility == TileVisibility::hidden)
+        continue;
+
+      const Index s_stride = workspace.s.cols();
+      Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> s(workspace.s.data(), rows, cols,
+                                                       Eigen::OuterStride<>(s_stride));
+      s.noalias() = q_tile * k.middleRows(j0, cols).transpose();
+      if (visibility == TileVisibility::partial || mask.has_bias())
+        mask.apply(b, h, i0, j0, s);
+
+      for (Index r = 0; r < rows; ++r) {
+        RowArray p(s.row(r).data(), cols);
+        const T tile_max = p.template maxCoeff<Eigen::PropagateNaN>();
+        const T m_old = m(r);
+        const T m_new = (tile_max > m_old || std::isnan(tile_max)) ? tile_max : m_old;
+        if (m_new == minus_inf) {  // nothing visible in this row so far
+          p.setZero();
+          workspace.alpha(r) = T(1);
+          continue;
+        }
+        p -= m_new;
+        p = (p == minus_inf).select(T(0), p.exp());  // Eigen's exp(-inf) is a denormal, not 0
+        const T alpha = std::exp(m_old - m_new);     // 0 on the row's first visible tile
+        workspace.alpha(r) = alpha;
+        l(r) = l(r) * alpha + p.sum();
+        m(r) = m_new;
+      }
+      if (first_tile) {
+        acc.noalias() = s * v.middleRows(j0, cols);
+      } else {
+        for (Index r = 0; r < rows; ++r) {
+          if (workspace.alpha(r) != T(1))
+            acc.row(r) *= workspace.alpha(r);
+        }
+        acc.noalias() += s * v.middleRows(j0, cols);
+      }
+      first_tile = false;
+    }
+  }
+
+  // pass 3
+  for (Index r = 0; r < rows; ++r) {
+    auto out_row = out.row(i0 + r);
+    if (first_tile || l(r) == T(0)) {  // the row sees no key: zeros, lse -inf
+      out_row.setZero();
+      if (logsumexp != nullptr)
+        logsumexp[i0 + r] = minus_inf;
+    } else {
+      out_row = acc.row(r) * (T(1) / l(r));
+      if (logsumexp != nullptr)
+        logsumexp[i0 + r] = m(r) + std::log(l(r));
+    }
+  }
+}
+
+}  // namespace attn::detail

@@ -1,0 +1,48 @@
+// attn/kernels/naive.hpp: the reference kernel. Materialises the (Lq, Lk) scores.
+//
+// Extra memory: one (Lq, Lk) score matrix per thread (reused across heads), or none beyond
+// the caller's weights buffer when the weights are requested (the scores are built there).
+// It is the only kernel that can return the full attention weights.
+#pragma once
+
+#include <Eigen/Core>
+
+#include "attn/config.hpp"
+#include "attn/mask.hpp"
+#include "attn/softmax.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn::detail {
+
+/// Attention for one (batch b, query head h) pair.
+///   pass 1: S = scale * q k^T          one GEMM, scale folded into its alpha
+///   pass 2: mask S (hidden -> -inf, add the bias)
+///   pass 3: row softmax of S in place, keeping each row's log-sum-exp
+///   pass 4: out = S v                  one GEMM
+template <class T>
+void naive_attention_head(const HeadMatrix<const T>& q,  // (Lq, D)
+                          const HeadMatrix<const T>& k,  // (Lk, D)
+                          const HeadMatrix<const T>& v,  // (Lk, Dv)
+                          HeadMatrix<T> out,             // (Lq, Dv)
+                          const Mask<T>& mask, Index b, Index h, T scale,
+                          Matrix<T>& workspace,  // reused between calls; resized to (Lq, Lk)
+                          T* weights,            // (Lq, Lk) contiguous, or null
+                          T* logsumexp) {        // (Lq), or null
+  const Index q_length = q.rows();
+  const Index k_length = k.rows();
+  if (weights == nullptr)
+    workspace.resize(q_length, k_length);
+  Eigen::Map<Matrix<T>> scores(weights != nullptr ? weights : workspace.data(), q_length, k_length);
+
+  scores.noalias() = scale * (q * k.transpose());  // pass 1
+  if (!mask.is_trivial())
+    mask.apply(b, h, 0, 0, scores);       // pass 2
+  for (Index i = 0; i < q_length; ++i) {  // pass 3
+    const T lse = softmax_in_place(scores.row(i).data(), k_length);
+    if (logsumexp != nullptr)
+      logsumexp[i] = lse;
+  }
+  out.noalias() = scores * v;  // pass 4
+}
+
+}  // namespace attn::detail

@@ -1,0 +1,155 @@
+// attn/tensor.hpp: the matrix and tensor types of the library and strided head views.
+//
+// Shape legend used throughout the library:
+//   B  batch            H  heads (Hq query heads, Hkv key/value heads)
+//   L  sequence length  (Lq queries, Lk keys)
+//   D  head dim of q/k  Dv head dim of v     E embedding width
+//
+// Storage is row-major everywhere, like NumPy and PyTorch: a (B, H, L, D) tensor has D
+// contiguous. Kernels never see tensors, only HeadsView: a (B, H, L, D) view whose B, H
+// and L strides are free and whose D stride is 1. That is what lets the same kernel read
+// PyTorch's (B, H, L, D) layout, FlashAttention's (B, L, H, D) layout and the slices of a
+// fused QKV projection without a transpose or a copy.
+#pragma once
+
+#include <array>
+#include <type_traits>
+
+#include <Eigen/Core>
+#include <unsupported/Eigen/CXX11/Tensor>
+
+#include "attn/config.hpp"
+
+namespace attn {
+
+static_assert(std::is_same_v<Index, Eigen::Index>, "attn::Index must equal Eigen::Index");
+
+/// Dynamic row-major matrix: rows are tokens, columns are features.
+template <class T>
+using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// Dynamic column vector.
+template <class T>
+using Vector = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+
+/// Row-major tensor, the layout of NumPy and PyTorch.
+template <class T, int Rank>
+using Tensor = Eigen::Tensor<T, Rank, Eigen::RowMajor, Index>;
+
+/// Non-owning row-major tensor map (use `const T` for read-only data).
+template <class T, int Rank>
+using TensorMap = Eigen::TensorMap<Eigen::Tensor<T, Rank, Eigen::RowMajor, Index>>;
+
+/// One (L, D) slice of a HeadsView as an Eigen matrix with a row stride.
+template <class T>
+using HeadMatrix = Eigen::Map<
+    std::conditional_t<std::is_const_v<T>, const Matrix<std::remove_const_t<T>>, Matrix<T>>,
+    Eigen::Unaligned, Eigen::OuterStride<>>;
+
+/// A (B, H, L, D) view over strided memory: free strides for B, H and L, unit stride for D.
+/// `T` is `const S` for inputs and `S` for outputs. Non-owning: the memory must outlive it.
+template <class T>
+struct HeadsView {
+  T* data = nullptr;
+  Index batch = 0, heads = 0, length = 0, dim = 0;          // (B, H, L, D)
+  Index batch_stride = 0, head_stride = 0, row_stride = 0;  // in elements
+
+  /// The (L, D) matrix of batch b, head h.
+  HeadMatrix<T> head(Index b, Index h) const {
+    ATTN_ASSERT(b >= 0 && b < batch && h >= 0 && h < heads);
+    return HeadMatrix<T>(data + b * batch_stride + h * head_stride, length, dim,
+                         Eigen::OuterStride<>(row_stride));
+  }
+
+  std::array<Index, 4> shape() const { return {batch, heads, length, dim}; }
+
+  /// A read-only view of the same memory.
+  operator HeadsView<const T>() const {  // NOLINT(google-explicit-constructor): const view
+    return {data, batch, heads, length, dim, batch_stride, head_stride, row_stride};
+  }
+};
+
+/// View of contiguous (B, H, L, D) memory (PyTorch's SDPA layout).
+template <class T>
+HeadsView<T> bhld_view(T* data, Index batch, Index heads, Index length, Index dim) {
+  return {data, batch, heads, length, dim, heads * length * dim, length * dim, dim};
+}
+
+/// View of contiguous (B, L, H, D) memory as (B, H, L, D) (FlashAttention's layout and the
+/// natural output of a projection): no transpose, only different strides.
+template <class T>
+HeadsView<T> blhd_view(T* data, Index batch, Index length, Index heads, Index dim) {
+  return {data, batch, heads, length, dim, length * heads * dim, dim, heads * dim};
+}
+
+/// View of a rank-4 row-major tensor or tensor map holding (B, H, L, D).
+template <class S>
+HeadsView<const S> bhld_view(const Tensor<S, 4>& t) {
+  return bhld_view(t.data(), t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3));
+}
+template <class S>
+HeadsView<S> bhld_view(Tensor<S, 4>& t) {
+  return bhld_view(t.data(), t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3));
+}
+template <class S>
+HeadsView<const S> bhld_view(
+    const Eigen::TensorMap<const Eigen::Tensor<S, 4, Eigen::RowMajor, Index>>& t) {
+  return bhld_view(t.data(), t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3));
+}
+template <class S>
+HeadsView<S> bhld_view(const Eigen::TensorMap<Eigen::Tensor<S, 4, Eigen::RowMajor, Index>>& t) {
+  return bhld_view(t.data(), t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3));
+}
+
+namespace detail {
+
+/// Recognises the rank-4 row-major tensors and maps the batched API accepts.
+template <class X>
+struct rank4_tensor : std::false_type {};
+template <class S>
+struct rank4_tensor<Eigen::Tensor<S, 4, Eigen::RowMajor, Index>> : std::true_type {
+  using scalar = S;
+};
+template <class S, int Options, template <class> class MakePointer>
+struct rank4_tensor<
+    Eigen::TensorMap<Eigen::Tensor<S, 4, Eigen::RowMajor, Index>, Options, MakePointer>>
+    : std::true_type {
+  using scalar = S;
+};
+template <class S, int Options, template <class> class MakePointer>
+struct rank4_tensor<
+    Eigen::TensorMap<const Eigen::Tensor<S, 4, Eigen::RowMajor, Index>, Options, MakePointer>>
+    : std::true_type {
+  using scalar = S;
+};
+template <class S, int Options, template <class> class MakePointer>
+struct rank4_tensor<
+    Eigen::TensorMap<Eigen::Tensor<const S, 4, Eigen::RowMajor, Index>, Options, MakePointer>>
+    : std::true_type {
+  using scalar = S;
+};
+template <class S>
+struct rank4_tensor<HeadsView<S>> : std::true_type {
+  using scalar = std::remove_const_t<S>;
+};
+
+template <class X>
+inline constexpr bool is_rank4_tensor_v = rank4_tensor<X>::value;
+
+template <class X>
+using rank4_scalar_t = typename rank4_tensor<X>::scalar;
+
+/// Read-only (B, H, L, D) view of anything rank4_tensor accepts.
+template <class X>
+HeadsView<const rank4_scalar_t<X>> as_heads_view(const X& x) {
+  if constexpr (std::is_same_v<X, HeadsView<rank4_scalar_t<X>>> ||
+                std::is_same_v<X, HeadsView<const rank4_scalar_t<X>>>) {
+    return x;
+  } else {
+    return bhld_view(static_cast<const rank4_scalar_t<X>*>(x.data()), x.dimension(0),
+                     x.dimension(1), x.dimension(2), x.dimension(3));
+  }
+}
+
+}  // namespace detail
+}  // namespace attn

@@ -1,0 +1,48 @@
+// Smallest useful program against attn, shared by the find_package() and
+// add_subdirectory() consumer projects. Exits non-zero unless the output of
+// scaled_dot_product_attention is finite and every element lies between the
+// smallest and largest value of its column of v, up to rounding (attention
+// outputs are convex combinations of v's rows).
+#include <attn/attn.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <iostream>
+#include <limits>
+
+int main() {
+  attn::Matrix<float> q(2, 3);  // [Lq, D]  = [2, 3]
+  attn::Matrix<float> k(2, 3);  // [Lk, D]  = [2, 3]
+  attn::Matrix<float> v(2, 2);  // [Lk, Dv] = [2, 2]
+  q << 0.5f, -1.0f, 2.0f,       //
+      1.5f, 0.25f, -0.75f;
+  k << 1.0f, 0.0f, -1.0f,  //
+      -0.5f, 2.0f, 0.5f;
+  v << 1.0f, -2.0f,  //
+      3.0f, 4.0f;
+
+  const attn::Matrix<float> out = attn::scaled_dot_product_attention(q, k, v);  // [Lq, Dv]
+
+  if (out.rows() != 2 || out.cols() != 2) {
+    std::cerr << "attn_consumer: expected a 2x2 output, got " << out.rows() << "x" << out.cols()
+              << "\n";
+    return 1;
+  }
+  for (Eigen::Index i = 0; i < out.rows(); ++i) {
+    for (Eigen::Index j = 0; j < out.cols(); ++j) {
+      const float lo = v.col(j).minCoeff();
+      const float hi = v.col(j).maxCoeff();
+      // A few ulps of slack: the softmax weights sum to 1 only up to rounding.
+      const float slack =
+          8.0f * std::numeric_limits<float>::epsilon() * std::max(std::abs(lo), std::abs(hi));
+      const float x = out(i, j);
+      if (!std::isfinite(x) || x < lo - slack || x > hi + slack) {
+        std::cerr << "attn_consumer: out(" << i << ", " << j << ") = " << x << " is not within ["
+                  << lo << ", " << hi << "]\n";
+        return 1;
+      }
+    }
+  }
+  std::cout << "attn_consumer: ok\n" << out << "\n";
+  return 0;
+}
