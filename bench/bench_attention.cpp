@@ -1,0 +1,256 @@
+// Benchmarks of scaled dot-product attention: naive, chunked and flash, each beside Eigen's
+// plain GEMM at the same (Lq x D) x (D x Lk) shape and an FMA peak probe, all in one binary
+// so that every figure can be read as a fraction of this machine's measured peak.
+//
+//   B * H = 8 heads (B = 1, H = 8), float, Lq = Lk = L, D = Dv.
+//   FLOPs: non-causal 4 * B * H * Lq * Lk * D (two GEMMs of 2 * Lq * Lk * D each); causal
+//   counts only the visible half, 4 * B * H * D * Lq * (Lk + 1) / 2, so that GFLOP/s stay
+//   comparable and a causal run that skips hidden tiles shows the same rate, not 2x.
+//   The exp, max and sums of the softmax are not counted.
+//
+// Run everything:           build/dev/bench/bench_attention
+// One family:               build/dev/bench/bench_attention --benchmark_filter='flash/L:4096'
+// ATTN_BENCH_SMOKE=1 shrinks to the smallest sizes (ctest's smoke test).
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <attn/attention.hpp>
+
+namespace {
+
+using attn::Index;
+
+bool smoke() {
+  const char* s = std::getenv("ATTN_BENCH_SMOKE");
+  return s != nullptr && std::string(s) == "1";
+}
+
+void set_threads(int threads) {
+#if ATTN_HAS_OPENMP
+  omp_set_num_threads(threads);
+#else
+  (void)threads;
+#endif
+  Eigen::setNbThreads(threads);
+}
+
+// --- FMA peak -------------------------------------------------------------------------
+// 12 independent accumulators of the widest vector: enough to hide the FMA latency (4
+// cycles) on two pipes, all register-resident. FLOPs = 2 per lane per FMA.
+double fma_kernel(std::int64_t iterations) {
+#if defined(__AVX512F__)
+  __m512 acc[12];
+  for (int r = 0; r < 12; ++r)
+    acc[r] = _mm512_set1_ps(static_cast<float>(r) * 1e-3f);
+  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
+  for (std::int64_t n = 0; n < iterations; ++n) {
+    for (int r = 0; r < 12; ++r)
+      acc[r] = _mm512_fmadd_ps(acc[r], a, b);
+  }
+  __m512 sum = acc[0];
+  for (int r = 1; r < 12; ++r)
+    sum = _mm512_add_ps(sum, acc[r]);
+  return static_cast<double>(_mm512_reduce_add_ps(sum));
+#elif defined(__AVX2__)
+  __m256 acc[12];
+  for (int r = 0; r < 12; ++r)
+    acc[r] = _mm256_set1_ps(static_cast<float>(r) * 1e-3f);
+  const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
+  for (std::int64_t n = 0; n < iterations; ++n) {
+    for (int r = 0; r < 12; ++r)
+      acc[r] = _mm256_fmadd_ps(acc[r], a, b);
+  }
+  float lanes[8];
+  __m256 sum = acc[0];
+  for (int r = 1; r < 12; ++r)
+    sum = _mm256_add_ps(sum, acc[r]);
+  _mm256_storeu_ps(lanes, sum);
+  double total = 0;
+  for (float x : lanes)
+    total += static_cast<double>(x);
+  return total;
+#else
+  float acc[12];
+  for (int r = 0; r < 12; ++r)
+    acc[r] = static_cast<float>(r) * 1e-3f;
+  for (std::int64_t n = 0; n < iterations; ++n) {
+    for (float& x : acc)
+      x = std::fma(x, 0.999999f, 1e-7f);
+  }
+  double total = 0;
+  for (float x : acc)
+    total += static_cast<double>(x);
+  return total;
+#endif
+}
+
+constexpr double fma_lanes() {
+#if defined(__AVX512F__)
+  return 16;
+#elif defined(__AVX2__)
+  return 8;
+#else
+  return 1;
+#endif
+}
+
+void BM_fma_peak(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  const std::int64_t iterations = 1 << 22;
+  for (auto _ : state) {
+    double result = 0;
+#if ATTN_HAS_OPENMP
+#pragma omp parallel num_threads(threads) reduction(+ : result)
+#endif
+    result += fma_kernel(iterations);
+    benchmark::DoNotOptimize(result);
+  }
+  state.counters["FLOPS"] =
+      benchmark::Counter(2.0 * 12 * fma_lanes() * static_cast<double>(iterations) * threads,
+                         benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// --- SDPA -----------------------------------------------------------------------------
+constexpr Index kHeads = 8;  // B * H
+
+struct Inputs {
+  std::vector<float> q, k, v, out;  // (1, 8, L, D) each
+  Index length, dim;
+  Inputs(Index l, Index d) : length(l), dim(d) {
+    const auto n = static_cast<std::size_t>(kHeads * l * d);
+    q.resize(n);
+    k.resize(n);
+    v.resize(n);
+    out.assign(n, 0.0f);
+    std::mt19937 rng(42u);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (std::vector<float>* t : {&q, &k, &v})
+      for (float& x : *t)
+        x = normal(rng);
+  }
+  attn::HeadsView<const float> view(const std::vector<float>& t) const {
+    return attn::bhld_view(t.data(), Index(1), kHeads, length, dim);
+  }
+  void run(attn::Algorithm algorithm, bool causal, std::vector<float>& result) const {
+    attn::AttentionOptions<float> options;
+    options.algorithm = algorithm;
+    options.causal = causal ? attn::Causal::top_left : attn::Causal::none;
+    attn::scaled_dot_product_attention_into<float>(
+        view(q), view(k), view(v), attn::bhld_view(result.data(), Index(1), kHeads, length, dim),
+        options);
+  }
+};
+
+double attention_flops(Index l, Index d, bool causal) {
+  const double ld = static_cast<double>(l), dd = static_cast<double>(d);
+  const double scores = causal ? ld * (ld + 1) / 2 : ld * ld;  // visible (query, key) pairs
+  return 4.0 * static_cast<double>(kHeads) * scores * dd;
+}
+
+void BM_sdpa(benchmark::State& state, attn::Algorithm algorithm) {
+  const Index length = state.range(0), dim = state.range(1);
+  const bool causal = state.range(2) != 0;
+  const int threads = static_cast<int>(state.range(3));
+  set_threads(threads);
+  Inputs inputs(length, dim);
+  // Validate against naive once before timing.
+  if (algorithm != attn::Algorithm::naive) {
+    std::vector<float> reference(inputs.out.size());
+    inputs.run(attn::Algorithm::naive, causal, reference);
+    inputs.run(algorithm, causal, inputs.out);
+    float worst = 0;
+    for (std::size_t n = 0; n < reference.size(); ++n)
+      worst = std::max(worst, std::abs(reference[n] - inputs.out[n]));
+    if (!(worst < 1e-4f)) {
+      state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
+      return;
+    }
+  }
+  for (auto _ : state) {
+    inputs.run(algorithm, causal, inputs.out);
+    benchmark::DoNotOptimize(inputs.out.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] = benchmark::Counter(attention_flops(length, dim, causal),
+                                               benchmark::Counter::kIsIterationInvariantRate);
+  set_threads(1);
+}
+
+// Eigen's plain GEMM at one head's shape: (Lq x D) x (D x Lk) -> (Lq x Lk), row-major, as
+// many times as there are heads, so its FLOPs equal half of the non-causal attention's.
+void BM_gemm(benchmark::State& state) {
+  const Index length = state.range(0), dim = state.range(1);
+  const int threads = static_cast<int>(state.range(3));
+  set_threads(threads);
+  const attn::Matrix<float> a = attn::Matrix<float>::Random(length, dim);
+  const attn::Matrix<float> b = attn::Matrix<float>::Random(dim, length);
+  attn::Matrix<float> c(length, length);
+  c.setZero();
+  for (auto _ : state) {
+    for (Index h = 0; h < kHeads; ++h) {
+      c.noalias() = a * b;
+      benchmark::DoNotOptimize(c.data());
+    }
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] =
+      benchmark::Counter(2.0 * static_cast<double>(kHeads * length * length * dim),
+                         benchmark::Counter::kIsIterationInvariantRate);
+  set_threads(1);
+}
+
+void register_all() {
+  const bool tiny = smoke();
+  const std::vector<std::int64_t> lengths =
+      tiny ? std::vector<std::int64_t>{128}
+           : std::vector<std::int64_t>{128, 512, 1024, 2048, 4096, 8192};
+  const std::vector<std::int64_t> dims =
+      tiny ? std::vector<std::int64_t>{64} : std::vector<std::int64_t>{64, 128};
+  const std::vector<std::int64_t> thread_counts{1, 2};
+
+  benchmark::RegisterBenchmark("fma_peak", BM_fma_peak)
+      ->ArgNames({"threads"})
+      ->Arg(1)
+      ->Arg(2)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  const auto add = [&](const char* name, auto&& function, bool with_causal) {
+    benchmark::RegisterBenchmark(name, function)
+        ->ArgNames({"L", "D", "causal", "threads"})
+        ->ArgsProduct({lengths, dims,
+                       with_causal ? std::vector<std::int64_t>{0, 1} : std::vector<std::int64_t>{0},
+                       thread_counts})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  };
+  add("gemm", BM_gemm, false);
+  add(
+      "naive", [](benchmark::State& s) { BM_sdpa(s, attn::Algorithm::naive); }, true);
+  add(
+      "chunked", [](benchmark::State& s) { BM_sdpa(s, attn::Algorithm::chunked); }, true);
+  add(
+      "flash", [](benchmark::State& s) { BM_sdpa(s, attn::Algorithm::flash); }, true);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv))
+    return 1;
+  register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
