@@ -3,7 +3,10 @@
 
 #include "attn/attention.hpp"
 #include "attn/config.hpp"
+#include "attn/heads.hpp"
 #include "attn/init.hpp"
 #include "attn/mask.hpp"
+#include "attn/multihead.hpp"
+#include "attn/projection.hpp"
 #include "attn/softmax.hpp"
 #include "attn/tensor.hpp"

@@ -1,0 +1,622 @@
+// attn/multihead.hpp: multi-head attention, numerically equal to torch.nn.MultiheadAttention
+// (batch_first=True, eval mode) for the same weights, plus grouped-query attention.
+//
+// Shape legend:
+//   B batch   L query length   S key/value length   S' = S + add_bias_kv + add_zero_attn
+//   E embed_dim   H num_heads   Hkv num_kv_heads   D = E / H   Ekv = Hkv * D
+//   kdim / vdim   input widths of key and value (default E)
+//
+// Data flow of one call (no transposes, no copies between the GEMMs):
+//   pass 1  projections into (B, L, H, D) / (B, S', Hkv, D) buffers. Self-attention with
+//           kdim = vdim = E is ONE GEMM (B*L, E) x (E, E + 2*Ekv) into a (B, L, E + 2*Ekv)
+//           buffer; q, k and v are column blocks of it.
+//   pass 2  scaled_dot_product_attention_into reads q, k, v through strided (B, H, L, D)
+//           head views and writes (B, L, H, D) = (B, L, E) directly (heads merged for free).
+//   pass 3  output projection: one GEMM (B*L, E) x (E, E).
+//
+// !!! MASK POLARITY !!!  MultiHeadAttention keeps PyTorch *MultiheadAttention*'s polarity:
+//   key_padding_mask  (B, S)             bool, TRUE = IGNORE this key (padding)
+//   attn_mask         (L, S) or (B*H, L, S)  bool, TRUE = NOT ALLOWED to attend
+// That is the OPPOSITE of scaled_dot_product_attention's AttentionOptions::keep_mask
+// (true = may attend, PyTorch SDPA's polarity). Ported code passes its masks unchanged.
+//   float_attn_mask   (L, S) or (B*H, L, S)  float, ADDED to the scores (-inf hides a key)
+//   is_causal         top-left causal: query i sees keys j <= i (keys appended by
+//                     add_bias_kv / add_zero_attn stay visible, as torch pads its mask)
+// A (B*H, L, S) mask is indexed [b * H + h] as in PyTorch.
+// A query row that sees no key outputs zeros (the library's rule; torch returns NaN).
+//
+// Weight layouts (PyTorch state_dict names, (out x in) as in torch):
+//   in_proj_weight (E + 2*Ekv, E), in_proj_bias (E + 2*Ekv)    when kdim = vdim = E
+//   q_proj_weight (E, E), k_proj_weight (Ekv, kdim), v_proj_weight (Ekv, vdim)   otherwise
+//   bias_k, bias_v (1, 1, Ekv)   with add_bias_kv
+//   out_proj.weight (E, E), out_proj.bias (E)
+// With Hkv = H (the default) Ekv = E and these are exactly torch's shapes.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "attn/attention.hpp"
+#include "attn/config.hpp"
+#include "attn/heads.hpp"
+#include "attn/init.hpp"
+#include "attn/mask.hpp"
+#include "attn/projection.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn {
+
+/// Constructor arguments of torch.nn.MultiheadAttention, plus grouped-query attention.
+struct MultiHeadAttentionConfig {
+  Index embed_dim = 0;         ///< E
+  Index num_heads = 1;         ///< H; must divide E
+  Index num_kv_heads = 0;      ///< Hkv (grouped-query; 1 = multi-query); 0 means H
+  Index kdim = 0;              ///< key input width; 0 means E
+  Index vdim = 0;              ///< value input width; 0 means E
+  bool bias = true;            ///< biases on the input and output projections
+  bool add_bias_kv = false;    ///< append a learned key/value row (bias_k, bias_v) to k and v
+  bool add_zero_attn = false;  ///< append a zero key/value row to k and v
+  std::uint64_t seed = 0;      ///< seed of the default initialisation (std::mt19937_64)
+};
+
+/// A non-owning view of a rank-2 or rank-3 row-major tensor (a mask argument). The data
+/// must outlive the call.
+template <class T>
+class MaskArg {
+ public:
+  MaskArg() = default;
+  MaskArg(const T* data, std::vector<Index> shape) : data_(data), shape_(std::move(shape)) {}
+  // NOLINTBEGIN(google-explicit-constructor): converting from a tensor is the intended use.
+  MaskArg(const Tensor<T, 2>& t) : MaskArg(t.data(), {t.dimension(0), t.dimension(1)}) {}
+  MaskArg(const Tensor<T, 3>& t)
+      : MaskArg(t.data(), {t.dimension(0), t.dimension(1), t.dimension(2)}) {}
+  // NOLINTEND(google-explicit-constructor)
+  MaskArg(Tensor<T, 2>&&) = delete;  // a view of a temporary would dangle
+  MaskArg(Tensor<T, 3>&&) = delete;
+
+  bool empty() const { return data_ == nullptr; }
+  const T* data() const { return data_; }
+  const std::vector<Index>& shape() const { return shape_; }
+  std::string shape_string() const {
+    std::string s = "[";
+    for (std::size_t i = 0; i < shape_.size(); ++i) {
+      s += (i ? ", " : "") + std::to_string(shape_[i]);
+    }
+    return s + "]";
+  }
+
+ private:
+  const T* data_ = nullptr;
+  std::vector<Index> shape_;
+};
+
+/// Everything about a forward call except the three inputs. See the MASK POLARITY note at
+/// the top of this file: the bool masks here are true = IGNORE / NOT ALLOWED.
+template <class T>
+struct MultiHeadForwardOptions {
+  MaskArg<bool> key_padding_mask;  ///< (B, S); TRUE = IGNORE the key (PyTorch MHA polarity)
+  MaskArg<bool> attn_mask;         ///< (L, S) or (B*H, L, S); TRUE = NOT ALLOWED (PyTorch MHA)
+  MaskArg<T> float_attn_mask;      ///< (L, S) or (B*H, L, S); added to the scores
+  bool is_causal = false;          ///< top-left causal mask (query i sees keys j <= i)
+  bool need_weights = false;       ///< also return the attention weights (torch's default is true)
+  bool average_attn_weights = true;  ///< weights averaged over heads (B, 1, L, S') or per head
+};
+
+/// The result of a forward call.
+template <class T>
+struct MultiHeadAttentionOutput {
+  Tensor<T, 3> output;   ///< (B, L, E)
+  Tensor<T, 4> weights;  ///< need_weights: (B, H, L, S') per head, or (B, 1, L, S') averaged
+                         ///< (torch's (B, L, S') with a unit head axis); else empty
+};
+
+/// Scratch buffers of a forward call; reuse one across calls of the same shape to avoid
+/// allocating (e.g. in a benchmark loop). Not shareable between concurrent calls.
+template <class T>
+struct MultiHeadWorkspace {
+  Matrix<T> qkv;              // fused self-attention: (B*(L + extra), E + 2*Ekv)
+  Matrix<T> q;                // otherwise: (B*L, E)
+  Matrix<T> kv;               // otherwise: (B*S', 2*Ekv)
+  Matrix<T> attn;             // (B*L, E) = (B, L, H, D): attention output, heads merged
+  Tensor<bool, 4> keep;       // combined keep-mask (SDPA polarity), when needed
+  Tensor<T, 4> bias;          // padded additive mask, when needed
+  Tensor<T, 4> head_weights;  // (B, H, L, S') when averaged weights are requested
+};
+
+/// One entry of a PyTorch-style state_dict: shape and row-major data.
+template <class T>
+struct StateTensor {
+  std::vector<Index> shape;
+  std::vector<T> data;
+};
+
+/// PyTorch state_dict layout: name -> tensor (see the weight layouts at the top).
+template <class T>
+using StateDict = std::map<std::string, StateTensor<T>>;
+
+/// Multi-head attention (batch first), torch.nn.MultiheadAttention's numbers.
+template <class T>
+class MultiHeadAttention {
+ public:
+  /// Fresh weights like PyTorch: xavier_uniform on the input projections (the stacked
+  /// (E, E + 2*Ekv) weight when kdim = vdim = E), U(-1/sqrt(E), 1/sqrt(E)) on the output
+  /// projection (torch's Linear default), zero biases, bias_k / bias_v ~ N(0, 1/Ekv).
+  explicit MultiHeadAttention(const MultiHeadAttentionConfig& config) : config_(config) {
+    validate_config();
+    const Index e = config_.embed_dim, ekv = kv_width();
+    std::mt19937_64 engine(config_.seed);
+    const auto zeros = [&](Index n) {
+      return config_.bias ? Vector<T>(Vector<T>::Zero(n)) : Vector<T>();
+    };
+    if (is_same_embed_dim()) {
+      in_proj_ = QKVProjection<T>::fused(xavier_uniform<T>(e, e + 2 * ekv, engine),
+                                         zeros(e + 2 * ekv), e, ekv, ekv);
+    } else {
+      Matrix<T> wq = xavier_uniform<T>(e, e, engine);
+      Matrix<T> wk = xavier_uniform<T>(config_.kdim, ekv, engine);
+      Matrix<T> wv = xavier_uniform<T>(config_.vdim, ekv, engine);
+      in_proj_ =
+          QKVProjection<T>(Linear<T>(std::move(wq), zeros(e)), Linear<T>(std::move(wk), zeros(ekv)),
+                           Linear<T>(std::move(wv), zeros(ekv)));
+    }
+    out_proj_ =
+        Linear<T>(he_uniform<T>(e, e, engine, FanMode::fan_in, std::sqrt(1.0 / 3.0)), zeros(e));
+    if (config_.add_bias_kv) {
+      bias_k_ = he_normal<T>(1, ekv, engine, FanMode::fan_out, 1.0).transpose();
+      bias_v_ = he_normal<T>(1, ekv, engine, FanMode::fan_out, 1.0).transpose();
+    }
+  }
+
+  /// Built from PyTorch state_dict tensors (see load_state_dict).
+  static MultiHeadAttention from_state_dict(const MultiHeadAttentionConfig& config,
+                                            const StateDict<T>& state) {
+    MultiHeadAttention m(config);
+    m.load_state_dict(state);
+    return m;
+  }
+
+  /// Loads PyTorch's state_dict layout (names and (out x in) shapes at the top of this
+  /// file). Strict like torch's load_state_dict: a missing or unexpected name, or a wrong
+  /// shape, throws.
+  void load_state_dict(const StateDict<T>& state) {
+    constexpr const char* function = "MultiHeadAttention::load_state_dict";
+    const Index e = config_.embed_dim, ekv = kv_width();
+    std::vector<std::string> expected;
+    const auto get = [&](const std::string& name,
+                         std::vector<Index> shape) -> const StateTensor<T>& {
+      expected.push_back(name);
+      const auto it = state.find(name);
+      if (it == state.end())
+        detail::throw_invalid_argument(function, "missing \"" + name + "\"");
+      const StateTensor<T>& t = it->second;
+      Index count = 1;
+      for (const Index d : t.shape)
+        count *= d;
+      if (t.shape != shape || static_cast<Index>(t.data.size()) != count) {
+        detail::throw_invalid_argument(
+            function, "\"" + name + "\" is " + shape_of(t.shape) + " but must be " +
+                          shape_of(shape) + " (embed_dim " + std::to_string(e) + ", num_heads " +
+                          std::to_string(config_.num_heads) + ", num_kv_heads " +
+                          std::to_string(config_.num_kv_heads) + ", kdim " +
+                          std::to_string(config_.kdim) + ", vdim " + std::to_string(config_.vdim) +
+                          ")");
+      }
+      return t;
+    };
+    const auto as_matrix = [](const StateTensor<T>& t) {  // (out, in) torch layout
+      return Eigen::Map<const Matrix<T>>(t.data.data(), t.shape[0], t.shape[1]);
+    };
+    const auto as_vector = [](const StateTensor<T>& t) {
+      return Vector<T>(
+          Eigen::Map<const Vector<T>>(t.data.data(), static_cast<Index>(t.data.size())));
+    };
+
+    QKVProjection<T> in_proj;
+    Vector<T> in_bias;
+    if (config_.bias)
+      in_bias = as_vector(get("in_proj_bias", {e + 2 * ekv}));
+    if (is_same_embed_dim()) {
+      in_proj = QKVProjection<T>::fused_from_torch(
+          as_matrix(get("in_proj_weight", {e + 2 * ekv, e})), in_bias, e, ekv, ekv);
+    } else {
+      const auto part = [&](Index first, Index n) {
+        return config_.bias ? Vector<T>(in_bias.segment(first, n)) : Vector<T>();
+      };
+      in_proj = QKVProjection<T>(
+          Linear<T>::from_torch(as_matrix(get("q_proj_weight", {e, e})), part(0, e)),
+          Linear<T>::from_torch(as_matrix(get("k_proj_weight", {ekv, config_.kdim})), part(e, ekv)),
+          Linear<T>::from_torch(as_matrix(get("v_proj_weight", {ekv, config_.vdim})),
+                                part(e + ekv, ekv)));
+    }
+    Vector<T> bias_k, bias_v;
+    if (config_.add_bias_kv) {
+      bias_k = as_vector(get("bias_k", {1, 1, ekv}));
+      bias_v = as_vector(get("bias_v", {1, 1, ekv}));
+    }
+    const Matrix<T> out_w = as_matrix(get("out_proj.weight", {e, e}));
+    Vector<T> out_b;
+    if (config_.bias)
+      out_b = as_vector(get("out_proj.bias", {e}));
+    for (const auto& entry : state) {
+      if (std::find(expected.begin(), expected.end(), entry.first) == expected.end()) {
+        detail::throw_invalid_argument(function, "unexpected \"" + entry.first + "\"");
+      }
+    }
+    in_proj_ = std::move(in_proj);
+    bias_k_ = std::move(bias_k);
+    bias_v_ = std::move(bias_v);
+    out_proj_ = Linear<T>::from_torch(out_w, out_b);
+  }
+
+  /// The weights in PyTorch's state_dict layout (the inverse of load_state_dict).
+  StateDict<T> state_dict() const {
+    StateDict<T> s;
+    const Index e = config_.embed_dim, ekv = kv_width();
+    const auto put = [&](const std::string& name, std::vector<Index> shape, const T* data) {
+      Index count = 1;
+      for (const Index d : shape)
+        count *= d;
+      s[name] = {std::move(shape), std::vector<T>(data, data + count)};
+    };
+    const auto put_torch = [&](const std::string& name, const auto& w) {  // w (in, out)
+      const Matrix<T> t = w.transpose();                                  // (out, in)
+      put(name, {t.rows(), t.cols()}, t.data());
+    };
+    if (is_same_embed_dim()) {
+      put_torch("in_proj_weight", in_proj_.fused_linear().weight());
+    } else {
+      put_torch("q_proj_weight", in_proj_.wq());
+      put_torch("k_proj_weight", in_proj_.wk());
+      put_torch("v_proj_weight", in_proj_.wv());
+    }
+    if (config_.bias) {
+      Vector<T> b(e + 2 * ekv);
+      b << Eigen::Map<const Vector<T>>(in_proj_.bq(), e),
+          Eigen::Map<const Vector<T>>(in_proj_.bk(), ekv),
+          Eigen::Map<const Vector<T>>(in_proj_.bv(), ekv);
+      put("in_proj_bias", {e + 2 * ekv}, b.data());
+    }
+    if (config_.add_bias_kv) {
+      put("bias_k", {1, 1, ekv}, bias_k_.data());
+      put("bias_v", {1, 1, ekv}, bias_v_.data());
+    }
+    put_torch("out_proj.weight", out_proj_.weight());
+    if (config_.bias)
+      put("out_proj.bias", {e}, out_proj_.bias().data());
+    return s;
+  }
+
+  const MultiHeadAttentionConfig& config() const { return config_; }
+  Index embed_dim() const { return config_.embed_dim; }
+  Index num_heads() const { return config_.num_heads; }
+  Index num_kv_heads() const { return config_.num_kv_heads; }
+  Index head_dim() const { return config_.embed_dim / config_.num_heads; }
+  /// Ekv = Hkv * D, the width of the projected keys and values.
+  Index kv_width() const { return config_.num_kv_heads * head_dim(); }
+  /// Whether kdim = vdim = E (torch's _qkv_same_embed_dim: one in_proj_weight).
+  bool is_same_embed_dim() const {
+    return config_.kdim == config_.embed_dim && config_.vdim == config_.embed_dim;
+  }
+  const QKVProjection<T>& in_proj() const { return in_proj_; }
+  const Linear<T>& out_proj() const { return out_proj_; }
+  const Vector<T>& bias_k() const { return bias_k_; }  ///< (Ekv) or empty
+  const Vector<T>& bias_v() const { return bias_v_; }  ///< (Ekv) or empty
+
+  /// Self-attention: query = key = value = x (B, L, E); takes the one-GEMM fused path.
+  MultiHeadAttentionOutput<T> forward(const Tensor<T, 3>& x,
+                                      const MultiHeadForwardOptions<T>& options = {}) const {
+    return forward(x, x, x, options);
+  }
+
+  /// query (B, L, E), key (B, S, kdim), value (B, S, vdim) -> output (B, L, E) and, with
+  /// options.need_weights, the attention weights. Passing the same tensor three times is
+  /// self-attention (one fused QKV GEMM when kdim = vdim = E).
+  MultiHeadAttentionOutput<T> forward(const Tensor<T, 3>& query, const Tensor<T, 3>& key,
+                                      const Tensor<T, 3>& value,
+                                      const MultiHeadForwardOptions<T>& options = {}) const {
+    MultiHeadAttentionOutput<T> result;
+    MultiHeadWorkspace<T> workspace;
+    forward_into(query, key, value, options, result, workspace);
+    return result;
+  }
+
+  /// Same, into `result` with the scratch buffers of `workspace`: no allocation when the
+  /// shapes repeat.
+  void forward_into(const Tensor<T, 3>& query,  // (B, L, E)
+                    const Tensor<T, 3>& key,    // (B, S, kdim)
+                    const Tensor<T, 3>& value,  // (B, S, vdim)
+                    const MultiHeadForwardOptions<T>& options, MultiHeadAttentionOutput<T>& result,
+                    MultiHeadWorkspace<T>& workspace) const {
+    constexpr const char* function = "MultiHeadAttention::forward";
+    check_inputs(function, query, key, value, options);
+    const Index batch = query.dimension(0), q_length = query.dimension(1),
+                k_length = key.dimension(1);
+    const Index extra = Index(config_.add_bias_kv) + Index(config_.add_zero_attn);
+    const Index kv_length = k_length + extra;  // S'
+    const Index e = config_.embed_dim, ekv = kv_width(), d = head_dim();
+    const Index heads = config_.num_heads, kv_heads = config_.num_kv_heads;
+
+    // pass 1: projections straight into (B, L, H, D) / (B, S', Hkv, D) memory.
+    HeadsView<const T> qv, kv, vv;
+    const bool self = query.data() == key.data() && query.data() == value.data() &&
+                      q_length == k_length && in_proj_.is_fused();
+    if (self) {
+      // One buffer (B, L + extra, E + 2*Ekv): q | k | v column blocks.
+      const Index width = e + 2 * ekv, rows_per_batch = q_length + extra;
+      workspace.qkv.resize(batch * rows_per_batch, width);
+      project_rows(
+          query, in_proj_.fused_linear().weight(),
+          in_proj_.fused_linear().has_bias() ? in_proj_.fused_linear().bias().data() : nullptr,
+          workspace.qkv.data(), rows_per_batch, width);
+      fill_extra_rows(workspace.qkv.data() + e, batch, k_length, rows_per_batch, width);
+      qv = strided(workspace.qkv.data(), batch, q_length, heads, d, rows_per_batch, width);
+      kv = strided(workspace.qkv.data() + e, batch, kv_length, kv_heads, d, rows_per_batch, width);
+      vv = strided(workspace.qkv.data() + e + ekv, batch, kv_length, kv_heads, d, rows_per_batch,
+                   width);
+    } else {
+      workspace.q.resize(batch * q_length, e);
+      project_rows(query, in_proj_.wq(), in_proj_.bq(), workspace.q.data(), q_length, e);
+      const Index width = 2 * ekv;
+      workspace.kv.resize(batch * kv_length, width);
+      if (key.data() == value.data() && key.dimensions() == value.dimensions() &&
+          in_proj_.is_fused()) {
+        // k and v from one input: one GEMM with the adjacent [Wk | Wv] column blocks.
+        const Matrix<T>& w = in_proj_.fused_linear().weight();
+        const ConstRowsMap<T> wkv(w.data() + e, w.rows(), width, Eigen::OuterStride<>(w.cols()));
+        project_rows(key, wkv, in_proj_.bk(), workspace.kv.data(), kv_length, width);
+      } else {
+        project_rows(key, in_proj_.wk(), in_proj_.bk(), workspace.kv.data(), kv_length, width);
+        project_rows(value, in_proj_.wv(), in_proj_.bv(), workspace.kv.data() + ekv, kv_length,
+                     width);
+      }
+      fill_extra_rows(workspace.kv.data(), batch, k_length, kv_length, width);
+      qv = strided(workspace.q.data(), batch, q_length, heads, d, q_length, e);
+      kv = strided(workspace.kv.data(), batch, kv_length, kv_heads, d, kv_length, width);
+      vv = strided(workspace.kv.data() + ekv, batch, kv_length, kv_heads, d, kv_length, width);
+    }
+
+    // Masks, translated to the SDPA conventions (keep-mask: true = may attend).
+    AttentionOptions<T> attention;
+    build_masks(options, batch, q_length, k_length, kv_length, workspace, attention);
+
+    // pass 2: attention, written as (B, L, H, D) = (B, L, E).
+    workspace.attn.resize(batch * q_length, e);
+    const HeadsView<T> out = blhd_view(workspace.attn.data(), batch, q_length, heads, d);
+    T* weights = nullptr;
+    if (options.need_weights) {
+      Tensor<T, 4>& w = options.average_attn_weights ? workspace.head_weights : result.weights;
+      w.resize(batch, heads, q_length, kv_length);
+      weights = w.data();
+    }
+    scaled_dot_product_attention_into<T>(qv, kv, vv, out, attention, weights);
+    if (options.need_weights && options.average_attn_weights) {
+      result.weights.resize(batch, 1, q_length, kv_length);
+      const Index plane = q_length * kv_length;
+      for (Index b = 0; b < batch; ++b) {
+        Eigen::Map<Vector<T>> avg(result.weights.data() + b * plane, plane);
+        avg.setZero();
+        for (Index h = 0; h < heads; ++h) {
+          avg += Eigen::Map<const Vector<T>>(weights + (b * heads + h) * plane, plane);
+        }
+        avg /= static_cast<T>(heads);
+      }
+    } else if (!options.need_weights) {
+      result.weights = Tensor<T, 4>();
+    }
+
+    // pass 3: output projection, one GEMM.
+    result.output.resize(batch, q_length, e);
+    out_proj_.apply_into(
+        ConstRowsMap<T>(workspace.attn.data(), batch * q_length, e, Eigen::OuterStride<>(e)),
+        RowsMap<T>(result.output.data(), batch * q_length, e, Eigen::OuterStride<>(e)));
+  }
+
+ private:
+  static std::string shape_of(const std::vector<Index>& shape) {
+    std::string s = "[";
+    for (std::size_t i = 0; i < shape.size(); ++i)
+      s += (i ? ", " : "") + std::to_string(shape[i]);
+    return s + "]";
+  }
+  static std::string shape3(const Tensor<T, 3>& t) {
+    return detail::shape_string({t.dimension(0), t.dimension(1), t.dimension(2)});
+  }
+
+  void validate_config() {
+    constexpr const char* function = "MultiHeadAttention";
+    MultiHeadAttentionConfig& c = config_;
+    if (c.embed_dim < 1) {
+      detail::throw_invalid_argument(
+          function, "embed_dim " + std::to_string(c.embed_dim) + " must be positive");
+    }
+    if (c.num_heads < 1) {
+      detail::throw_invalid_argument(
+          function, "num_heads " + std::to_string(c.num_heads) + " must be positive");
+    }
+    if (c.embed_dim % c.num_heads != 0) {
+      detail::throw_invalid_argument(function, "embed_dim " + std::to_string(c.embed_dim) +
+                                                   " is not divisible by num_heads " +
+                                                   std::to_string(c.num_heads));
+    }
+    if (c.num_kv_heads == 0)
+      c.num_kv_heads = c.num_heads;
+    if (c.num_kv_heads < 1 || c.num_heads % c.num_kv_heads != 0) {
+      detail::throw_invalid_argument(function, "num_heads " + std::to_string(c.num_heads) +
+                                                   " is not a multiple of num_kv_heads " +
+                                                   std::to_string(c.num_kv_heads));
+    }
+    if (c.kdim == 0)
+      c.kdim = c.embed_dim;
+    if (c.vdim == 0)
+      c.vdim = c.embed_dim;
+    if (c.kdim < 1 || c.vdim < 1) {
+      detail::throw_invalid_argument(function, "kdim " + std::to_string(c.kdim) + " and vdim " +
+                                                   std::to_string(c.vdim) + " must be positive");
+    }
+  }
+
+  void check_inputs(const char* function, const Tensor<T, 3>& query, const Tensor<T, 3>& key,
+                    const Tensor<T, 3>& value, const MultiHeadForwardOptions<T>& options) const {
+    const auto shapes = [&] {
+      return "query is " + shape3(query) + ", key is " + shape3(key) + ", value is " +
+             shape3(value);
+    };
+    if (query.dimension(0) != key.dimension(0) || query.dimension(0) != value.dimension(0)) {
+      detail::throw_invalid_argument(function, shapes() + ": batch sizes differ");
+    }
+    if (key.dimension(1) != value.dimension(1)) {
+      detail::throw_invalid_argument(function, shapes() + ": key and value lengths differ");
+    }
+    if (query.dimension(2) != config_.embed_dim || key.dimension(2) != config_.kdim ||
+        value.dimension(2) != config_.vdim) {
+      detail::throw_invalid_argument(
+          function, shapes() + " but (embed_dim, kdim, vdim) is " +
+                        detail::shape_string({config_.embed_dim, config_.kdim, config_.vdim}) +
+                        ": widths differ");
+    }
+    const Index batch = query.dimension(0), q_length = query.dimension(1),
+                k_length = key.dimension(1);
+    const MaskArg<bool>& kpm = options.key_padding_mask;
+    if (!kpm.empty() && kpm.shape() != std::vector<Index>{batch, k_length}) {
+      detail::throw_invalid_argument(
+          function, "key_padding_mask is " + kpm.shape_string() + " but must be " +
+                        detail::shape_string({batch, k_length}) + " (B, S); " + shapes());
+    }
+    check_attn_mask(function, "attn_mask", options.attn_mask, batch, q_length, k_length, shapes);
+    check_attn_mask(function, "float_attn_mask", options.float_attn_mask, batch, q_length, k_length,
+                    shapes);
+  }
+
+  template <class U, class Shapes>
+  void check_attn_mask(const char* function, const char* name, const MaskArg<U>& m, Index batch,
+                       Index q_length, Index k_length, const Shapes& shapes) const {
+    if (m.empty())
+      return;
+    const std::vector<Index> ls{q_length, k_length};
+    const std::vector<Index> bhls{batch * config_.num_heads, q_length, k_length};
+    if (m.shape() != ls && m.shape() != bhls) {
+      detail::throw_invalid_argument(
+          function, std::string(name) + " is " + m.shape_string() + " but must be " +
+                        detail::shape_string({q_length, k_length}) + " (L, S) or " +
+                        detail::shape_string({batch * config_.num_heads, q_length, k_length}) +
+                        " (B*H, L, S); " + shapes());
+    }
+  }
+
+  static HeadsView<const T> strided(const T* data, Index batch, Index length, Index heads,
+                                    Index dim, Index rows_per_batch, Index row_stride) {
+    return {data, batch, heads, length, dim, rows_per_batch * row_stride, dim, row_stride};
+  }
+
+  /// y[b*rows_per_batch + s, 0:out) = x[b, s, :] * w + bias, rows `row_stride` apart. One
+  /// GEMM over all B*S rows when rows_per_batch == S, else one per batch entry (the rows in
+  /// between hold the appended bias_k / zero-attn keys).
+  template <class W>
+  static void project_rows(const Tensor<T, 3>& x, const W& w, const T* bias, T* y,
+                           Index rows_per_batch, Index row_stride) {
+    const Index batch = x.dimension(0), length = x.dimension(1), in = x.dimension(2);
+    if (rows_per_batch == length) {
+      detail::linear_into<T>(
+          detail::rows_of(x), w, bias,
+          RowsMap<T>(y, batch * length, w.cols(), Eigen::OuterStride<>(row_stride)));
+      return;
+    }
+    for (Index b = 0; b < batch; ++b) {
+      detail::linear_into<T>(
+          ConstRowsMap<T>(x.data() + b * length * in, length, in, Eigen::OuterStride<>(in)), w,
+          bias,
+          RowsMap<T>(y + b * rows_per_batch * row_stride, length, w.cols(),
+                     Eigen::OuterStride<>(row_stride)));
+    }
+  }
+
+  /// Writes the appended key/value rows (bias_k / bias_v, then zeros) after the S projected
+  /// rows of each batch entry. `kv` points at the k block; v follows at + Ekv.
+  void fill_extra_rows(T* kv, Index batch, Index k_length, Index rows_per_batch,
+                       Index row_stride) const {
+    const Index ekv = kv_width();
+    for (Index b = 0; b < batch; ++b) {
+      Index row = b * rows_per_batch + k_length;
+      if (config_.add_bias_kv) {
+        Eigen::Map<Vector<T>>(kv + row * row_stride, ekv) = bias_k_;
+        Eigen::Map<Vector<T>>(kv + row * row_stride + ekv, ekv) = bias_v_;
+        ++row;
+      }
+      if (config_.add_zero_attn) {
+        Eigen::Map<Vector<T>>(kv + row * row_stride, 2 * ekv).setZero();
+      }
+    }
+  }
+
+  /// Translates the MHA masks (true = ignore / not allowed) into AttentionOptions (keep-mask
+  /// true = may attend, additive bias). Appended keys (j >= S) are never masked.
+  void build_masks(const MultiHeadForwardOptions<T>& options, Index batch, Index q_length,
+                   Index k_length, Index kv_length, MultiHeadWorkspace<T>& ws,
+                   AttentionOptions<T>& attention) const {
+    const Index heads = config_.num_heads;
+    const bool extra = kv_length != k_length;
+    const MaskArg<bool>& kpm = options.key_padding_mask;
+    const MaskArg<bool>& am = options.attn_mask;
+    const MaskArg<T>& fm = options.float_attn_mask;
+    const bool causal_in_mask = options.is_causal && extra;
+    if (options.is_causal && !extra)
+      attention.causal = Causal::top_left;
+
+    if (!kpm.empty() || !am.empty() || causal_in_mask) {
+      const bool per_head = !am.empty() && am.shape().size() == 3;
+      const Index mb = (!kpm.empty() || per_head) ? batch : 1;
+      const Index mh = per_head ? heads : 1;
+      const Index ml = (!am.empty() || causal_in_mask) ? q_length : 1;
+      ws.keep.resize(mb, mh, ml, kv_length);
+      for (Index b = 0; b < mb; ++b) {
+        for (Index h = 0; h < mh; ++h) {
+          for (Index i = 0; i < ml; ++i) {
+            bool* row = ws.keep.data() + ((b * mh + h) * ml + i) * kv_length;
+            const bool* a =
+                am.empty() ? nullptr
+                           : am.data() + ((per_head ? b * heads + h : 0) * q_length + i) * k_length;
+            const bool* p = kpm.empty() ? nullptr : kpm.data() + b * k_length;
+            for (Index j = 0; j < k_length; ++j) {
+              row[j] =
+                  !(a != nullptr && a[j]) && !(p != nullptr && p[j]) && !(causal_in_mask && j > i);
+            }
+            for (Index j = k_length; j < kv_length; ++j)
+              row[j] = true;
+          }
+        }
+      }
+      attention.keep_mask = Broadcast<bool>(ws.keep.data(), {mb, mh, ml, kv_length});
+    }
+    if (!fm.empty()) {
+      const bool per_head = fm.shape().size() == 3;
+      const Index mb = per_head ? batch : 1, mh = per_head ? heads : 1;
+      if (!extra) {
+        // (B*H, L, S) memory is (B, H, L, S): use it in place.
+        attention.bias = Broadcast<T>(fm.data(), {mb, mh, q_length, k_length});
+      } else {
+        ws.bias.resize(mb, mh, q_length, kv_length);
+        for (Index r = 0; r < mb * mh * q_length; ++r) {
+          T* row = ws.bias.data() + r * kv_length;
+          std::copy(fm.data() + r * k_length, fm.data() + (r + 1) * k_length, row);
+          std::fill(row + k_length, row + kv_length, T(0));
+        }
+        attention.bias = Broadcast<T>(ws.bias.data(), {mb, mh, q_length, kv_length});
+      }
+    }
+  }
+
+  MultiHeadAttentionConfig config_;
+  QKVProjection<T> in_proj_;   // fused (E, E + 2*Ekv) or separate Wq, Wk, Wv
+  Linear<T> out_proj_;         // (E, E)
+  Vector<T> bias_k_, bias_v_;  // (Ekv) with add_bias_kv
+};
+
+}  // namespace attn

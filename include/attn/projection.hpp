@@ -1,0 +1,499 @@
+// attn/projection.hpp: linear layers and the Q/K/V projection of attention.
+//
+// Shape legend: B batch, S (Lq, Lk) sequence length, N = B*S rows, E / in input width,
+// out output width, Dq / Dk / Dv projected widths of q, k and v.
+//
+// Weight layout. Our weights are stored (in x out) and applied as y = x * W + b: the
+// tutorials' `X @ Wq`. PyTorch's nn.Linear stores the same weight transposed, (out x in),
+// and computes x @ W.T + b. Never transpose by hand: import with Linear<T>::from_torch
+// (and export with Linear<T>::torch_weight).
+//
+// The einsum trap of the QKV tutorial (seed 002): it writes
+//     Q = np.einsum('bsd,hd->bsh', X, W_q)
+// and calls it "X @ W_q". It is not: 'bsd,hd->bsh' contracts d with the *second* index of
+// W, i.e. it computes X @ W_q.T, which equals X @ W_q only for a symmetric W_q (and fails
+// outright when W_q is not square). 'bsd,dh->bsh' is X @ W_q. The tutorial's
+// "Matmul vs Einsum" check therefore prints False for its random weights. PyTorch's
+// (out x in) weight *is* applied as X @ W.T, so that einsum is the right formula for a
+// PyTorch-layout weight: Linear<T>::from_torch transposes once and the trap is gone.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <utility>
+
+#include <Eigen/Core>
+
+#include "attn/config.hpp"
+#include "attn/init.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn {
+
+/// A read-only row-major matrix view with a free row stride (e.g. a column block of a
+/// wider row-major buffer).
+template <class T>
+using ConstRowsMap = Eigen::Map<const Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+/// A writable row-major matrix view with a free row stride.
+template <class T>
+using RowsMap = Eigen::Map<Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+namespace detail {
+
+/// y (N, out) = x (N, in) * w (in, out) + b (out; empty = none). One GEMM.
+template <class T, class DerivedW>
+void linear_into(const ConstRowsMap<T>& x, const Eigen::MatrixBase<DerivedW>& w,
+                 const T* bias,  // (out) or null
+                 RowsMap<T> y) {
+  ATTN_ASSERT(x.cols() == w.rows() && y.cols() == w.cols() && y.rows() == x.rows());
+  y.noalias() = x * w;
+  if (bias != nullptr) {
+    const Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>> b(bias, w.cols());
+    y.rowwise() += b;
+  }
+}
+
+/// The (B*S, E) rows of a (B, S, E) tensor.
+template <class T>
+ConstRowsMap<T> rows_of(const Tensor<T, 3>& x) {
+  return ConstRowsMap<T>(x.data(), x.dimension(0) * x.dimension(1), x.dimension(2),
+                         Eigen::OuterStride<>(x.dimension(2)));
+}
+
+inline std::string shape3(const char* name, Index b, Index s, Index e) {
+  return std::string(name) + " is " + shape_string({b, s, e});
+}
+
+}  // namespace detail
+
+/// y = x * W + b with W (in x out) and an optional bias (out).
+template <class T>
+class Linear {
+ public:
+  Linear() = default;
+
+  /// Fresh layer: W from xavier_uniform (fan_in = in, fan_out = out) drawn with
+  /// std::mt19937_64(seed), bias zero (like PyTorch's MultiheadAttention projections).
+  Linear(Index in_features, Index out_features, bool bias = true, std::uint64_t seed = 0) {
+    if (in_features < 1 || out_features < 1) {
+      detail::throw_invalid_argument(
+          "Linear", "shape (in, out) is " + detail::shape_string({in_features, out_features}) +
+                        ": both must be positive");
+    }
+    std::mt19937_64 engine(seed);
+    weight_ = xavier_uniform<T>(in_features, out_features, engine);
+    if (bias)
+      bias_ = Vector<T>::Zero(out_features);
+  }
+
+  /// From a weight in our layout (in x out) and a bias (out), or an empty bias for none.
+  explicit Linear(Matrix<T> weight, Vector<T> bias = Vector<T>())
+      : weight_(std::move(weight)), bias_(std::move(bias)) {
+    if (weight_.rows() < 1 || weight_.cols() < 1) {
+      detail::throw_invalid_argument("Linear",
+                                     "weight (in, out) is " +
+                                         detail::shape_string({weight_.rows(), weight_.cols()}) +
+                                         ": must not be empty");
+    }
+    if (bias_.size() != 0 && bias_.size() != weight_.cols()) {
+      detail::throw_invalid_argument(
+          "Linear", "weight (in, out) is " +
+                        detail::shape_string({weight_.rows(), weight_.cols()}) + " but bias is " +
+                        detail::shape_string({bias_.size()}) +
+                        ": the bias needs one entry per output");
+    }
+  }
+
+  /// From PyTorch's nn.Linear layout: weight (out x in), bias (out) or empty. Transposes once
+  /// here, so that nobody transposes by hand (see the einsum trap at the top of this file).
+  static Linear from_torch(const Eigen::Ref<const Matrix<T>>& weight,  // (out, in)
+                           const Eigen::Ref<const Vector<T>>& bias = Vector<T>()) {
+    if (bias.size() != 0 && bias.size() != weight.rows()) {
+      detail::throw_invalid_argument("Linear::from_torch",
+                                     "weight (out, in) is " +
+                                         detail::shape_string({weight.rows(), weight.cols()}) +
+                                         " but bias is " + detail::shape_string({bias.size()}) +
+                                         ": the bias needs one entry per output (weight rows)");
+    }
+    return Linear(Matrix<T>(weight.transpose()), Vector<T>(bias));
+  }
+
+  Index in_features() const { return weight_.rows(); }
+  Index out_features() const { return weight_.cols(); }
+  bool has_bias() const { return bias_.size() != 0; }
+  /// (in, out), applied as x * W.
+  const Matrix<T>& weight() const { return weight_; }
+  /// (out), empty when there is no bias.
+  const Vector<T>& bias() const { return bias_; }
+  /// The weight in PyTorch's layout (out, in).
+  Matrix<T> torch_weight() const { return weight_.transpose(); }
+
+  /// (N, in) -> (N, out).
+  template <class Derived>
+  Matrix<T> operator()(const Eigen::MatrixBase<Derived>& x) const {
+    if (x.cols() != in_features()) {
+      detail::throw_invalid_argument("Linear",
+                                     "x is " + detail::shape_string({x.rows(), x.cols()}) +
+                                         " but the weight (in, out) is " +
+                                         detail::shape_string({weight_.rows(), weight_.cols()}) +
+                                         ": x needs one column per input feature");
+    }
+    const Matrix<T> xr = x;  // expressions and column-major inputs: evaluate row-major once
+    Matrix<T> y(xr.rows(), out_features());
+    apply_into(ConstRowsMap<T>(xr.data(), xr.rows(), xr.cols(), Eigen::OuterStride<>(xr.cols())),
+               RowsMap<T>(y.data(), y.rows(), y.cols(), Eigen::OuterStride<>(y.cols())));
+    return y;
+  }
+  Matrix<T> operator()(const Matrix<T>& x) const {
+    check_rows("Linear", x.rows(), x.cols());
+    Matrix<T> y(x.rows(), out_features());
+    apply_into(ConstRowsMap<T>(x.data(), x.rows(), x.cols(), Eigen::OuterStride<>(x.cols())),
+               RowsMap<T>(y.data(), y.rows(), y.cols(), Eigen::OuterStride<>(y.cols())));
+    return y;
+  }
+
+  /// (B, S, in) -> (B, S, out): one GEMM over the B*S rows.
+  Tensor<T, 3> operator()(const Tensor<T, 3>& x) const {
+    if (x.dimension(2) != in_features()) {
+      detail::throw_invalid_argument(
+          "Linear", detail::shape3("x", x.dimension(0), x.dimension(1), x.dimension(2)) +
+                        " but the weight (in, out) is " +
+                        detail::shape_string({weight_.rows(), weight_.cols()}) +
+                        ": the last dimension must equal in");
+    }
+    Tensor<T, 3> y(x.dimension(0), x.dimension(1), out_features());
+    apply_into(detail::rows_of(x),
+               RowsMap<T>(y.data(), x.dimension(0) * x.dimension(1), out_features(),
+                          Eigen::OuterStride<>(out_features())));
+    return y;
+  }
+
+  /// y (N, out) = x (N, in) * W + b into any strided row-major destination (no allocation).
+  void apply_into(const ConstRowsMap<T>& x, RowsMap<T> y) const {
+    if (x.cols() != in_features() || y.cols() != out_features() || y.rows() != x.rows()) {
+      detail::throw_invalid_argument(
+          "Linear::apply_into", "x is " + detail::shape_string({x.rows(), x.cols()}) + ", y is " +
+                                    detail::shape_string({y.rows(), y.cols()}) +
+                                    " and the weight (in, out) is " +
+                                    detail::shape_string({weight_.rows(), weight_.cols()}) +
+                                    ": need x (N, in) and y (N, out)");
+    }
+    detail::linear_into<T>(x, weight_, has_bias() ? bias_.data() : nullptr, y);
+  }
+
+ private:
+  void check_rows(const char* function, Index rows, Index cols) const {
+    if (cols != in_features()) {
+      detail::throw_invalid_argument(
+          function, "x is " + detail::shape_string({rows, cols}) + " but the weight (in, out) is " +
+                        detail::shape_string({weight_.rows(), weight_.cols()}) +
+                        ": x needs one column per input feature");
+    }
+  }
+
+  Matrix<T> weight_;  // (in, out)
+  Vector<T> bias_;    // (out) or empty
+};
+
+/// The result of a QKV projection: q (B, Lq, Dq), k (B, Lk, Dk), v (B, Lk, Dv), either in
+/// one fused buffer (B, S, Dq + Dk + Dv) (self-attention, fused weights) or in three
+/// buffers. Either way the accessors are zero-copy views.
+template <class T>
+class QKV {
+ public:
+  Index batch() const { return batch_; }
+  Index q_length() const { return q_length_; }
+  Index kv_length() const { return kv_length_; }
+  Index q_dim() const { return q_dim_; }
+  Index k_dim() const { return k_dim_; }
+  Index v_dim() const { return v_dim_; }
+  bool is_fused() const { return fused_; }
+
+  /// (B*Lq, Dq), (B*Lk, Dk), (B*Lk, Dv) row views (a column block of the fused buffer).
+  ConstRowsMap<T> q() const { return rows(q_data(), batch_ * q_length_, q_dim_, q_stride()); }
+  ConstRowsMap<T> k() const { return rows(k_data(), batch_ * kv_length_, k_dim_, k_stride()); }
+  ConstRowsMap<T> v() const { return rows(v_data(), batch_ * kv_length_, v_dim_, v_stride()); }
+
+  /// Head views (B, H, L, D) over the (B, L, H, D) memory: what the attention kernels read.
+  /// `heads` must divide the width.
+  HeadsView<const T> q_heads(Index heads) const {
+    return heads_view("QKV::q_heads", q_data(), q_length_, q_dim_, q_stride(), heads);
+  }
+  HeadsView<const T> k_heads(Index heads) const {
+    return heads_view("QKV::k_heads", k_data(), kv_length_, k_dim_, k_stride(), heads);
+  }
+  HeadsView<const T> v_heads(Index heads) const {
+    return heads_view("QKV::v_heads", v_data(), kv_length_, v_dim_, v_stride(), heads);
+  }
+
+  /// The buffers (fused: only `fused_buffer` is used, (B*S, Dq+Dk+Dv)).
+  const Matrix<T>& fused_buffer() const { return qkv_; }
+
+ private:
+  template <class>
+  friend class QKVProjection;
+
+  static ConstRowsMap<T> rows(const T* p, Index r, Index c, Index stride) {
+    return ConstRowsMap<T>(p, r, c, Eigen::OuterStride<>(stride));
+  }
+  HeadsView<const T> heads_view(const char* function, const T* p, Index length, Index width,
+                                Index stride, Index heads) const {
+    if (heads < 1 || width % heads != 0) {
+      detail::throw_invalid_argument(
+          function,
+          "width " + std::to_string(width) + " is not divisible by heads " + std::to_string(heads));
+    }
+    return {p, batch_, heads, length, width / heads, length * stride, width / heads, stride};
+  }
+  Index total() const { return q_dim_ + k_dim_ + v_dim_; }
+  const T* q_data() const { return fused_ ? qkv_.data() : q_.data(); }
+  const T* k_data() const { return fused_ ? qkv_.data() + q_dim_ : k_.data(); }
+  const T* v_data() const { return fused_ ? qkv_.data() + q_dim_ + k_dim_ : v_.data(); }
+  Index q_stride() const { return fused_ ? total() : q_dim_; }
+  Index k_stride() const { return fused_ ? total() : k_dim_; }
+  Index v_stride() const { return fused_ ? total() : v_dim_; }
+
+  Index batch_ = 0, q_length_ = 0, kv_length_ = 0, q_dim_ = 0, k_dim_ = 0, v_dim_ = 0;
+  bool fused_ = false;
+  Matrix<T> qkv_;        // fused: (B*S, Dq + Dk + Dv)
+  Matrix<T> q_, k_, v_;  // separate: (B*Lq, Dq), (B*Lk, Dk), (B*Lk, Dv)
+};
+
+/// Q, K and V projections: q = x_q Wq + bq, k = x_k Wk + bk, v = x_v Wv + bv.
+///   separate: three Linear layers, each with its own input and output width (cross-attention
+///             from other widths; Dk may differ from Dv and from E);
+///   fused:    one weight (E, Dq + Dk + Dv) = [Wq | Wk | Wv] and one GEMM for self-attention;
+///             q, k and v are column blocks of the one result (views, no copy).
+/// Both forms give the same numbers for the same weights (to rounding of the GEMM blocking).
+/// Dq and Dk may differ (grouped-query attention: Dq = H*D, Dk = Hkv*D); what must agree is
+/// the per-head dim, which the head views check.
+template <class T>
+class QKVProjection {
+ public:
+  QKVProjection() = default;
+
+  /// Separate projections.
+  QKVProjection(Linear<T> q, Linear<T> k, Linear<T> v)
+      : q_(std::move(q)), k_(std::move(k)), v_(std::move(v)) {
+    if (q_.has_bias() != k_.has_bias() || q_.has_bias() != v_.has_bias()) {
+      detail::throw_invalid_argument("QKVProjection",
+                                     "q, k and v must all have a bias or all have none");
+    }
+  }
+
+  /// Fresh projections like PyTorch's MultiheadAttention: xavier_uniform on the stacked
+  /// (E, Dq + Dk + Dv) weight (or on each weight when the input widths differ), drawn with
+  /// std::mt19937_64(seed); zero biases. kdim/vdim are the key and value input widths.
+  /// The fused form is used when kdim == vdim == embed_dim.
+  static QKVProjection make(Index embed_dim, Index q_dim, Index k_dim, Index v_dim, bool bias,
+                            std::uint64_t seed = 0, Index kdim = 0, Index vdim = 0) {
+    if (kdim == 0)
+      kdim = embed_dim;
+    if (vdim == 0)
+      vdim = embed_dim;
+    if (embed_dim < 1 || q_dim < 1 || k_dim < 1 || v_dim < 1 || kdim < 1 || vdim < 1) {
+      detail::throw_invalid_argument(
+          "QKVProjection::make",
+          "widths (embed_dim, q_dim, k_dim, v_dim, kdim, vdim) are " +
+              detail::shape_string({embed_dim, q_dim, k_dim, v_dim, kdim, vdim}) +
+              ": all must be positive");
+    }
+    std::mt19937_64 engine(seed);
+    const auto zeros = [bias](Index n) {
+      return bias ? Vector<T>(Vector<T>::Zero(n)) : Vector<T>();
+    };
+    if (kdim == embed_dim && vdim == embed_dim) {
+      return fused(xavier_uniform<T>(embed_dim, q_dim + k_dim + v_dim, engine),
+                   zeros(q_dim + k_dim + v_dim), q_dim, k_dim, v_dim);
+    }
+    Matrix<T> wq = xavier_uniform<T>(embed_dim, q_dim, engine);
+    Matrix<T> wk = xavier_uniform<T>(kdim, k_dim, engine);
+    Matrix<T> wv = xavier_uniform<T>(vdim, v_dim, engine);
+    return QKVProjection(Linear<T>(std::move(wq), zeros(q_dim)),
+                         Linear<T>(std::move(wk), zeros(k_dim)),
+                         Linear<T>(std::move(wv), zeros(v_dim)));
+  }
+
+  /// Fused form from W = [Wq | Wk | Wv] (E, Dq + Dk + Dv) and b = [bq, bk, bv] or empty.
+  static QKVProjection fused(Matrix<T> weight, Vector<T> bias, Index q_dim, Index k_dim,
+                             Index v_dim) {
+    if (q_dim < 1 || k_dim < 1 || v_dim < 1 || q_dim + k_dim + v_dim != weight.cols()) {
+      detail::throw_invalid_argument(
+          "QKVProjection::fused",
+          "weight (E, Dq + Dk + Dv) is " + detail::shape_string({weight.rows(), weight.cols()}) +
+              " but (Dq, Dk, Dv) is " + detail::shape_string({q_dim, k_dim, v_dim}) +
+              ": need positive widths and Dq + Dk + Dv columns");
+    }
+    QKVProjection p;
+    p.fused_ = Linear<T>(std::move(weight), std::move(bias));
+    p.is_fused_ = true;
+    p.q_dim_ = q_dim;
+    p.k_dim_ = k_dim;
+    p.v_dim_ = v_dim;
+    return p;
+  }
+
+  /// Fused form from PyTorch's in_proj_weight (Dq + Dk + Dv, E) and in_proj_bias or empty.
+  static QKVProjection fused_from_torch(const Eigen::Ref<const Matrix<T>>& in_proj_weight,
+                                        const Eigen::Ref<const Vector<T>>& in_proj_bias,
+                                        Index q_dim, Index k_dim, Index v_dim) {
+    if (in_proj_bias.size() != 0 && in_proj_bias.size() != in_proj_weight.rows()) {
+      detail::throw_invalid_argument(
+          "QKVProjection::fused_from_torch",
+          "in_proj_weight is " +
+              detail::shape_string({in_proj_weight.rows(), in_proj_weight.cols()}) +
+              " but in_proj_bias is " + detail::shape_string({in_proj_bias.size()}) +
+              ": need one bias per weight row");
+    }
+    return fused(Matrix<T>(in_proj_weight.transpose()), Vector<T>(in_proj_bias), q_dim, k_dim,
+                 v_dim);
+  }
+
+  /// The separate form of a fused projection (copies the weight blocks).
+  QKVProjection separated() const {
+    if (!is_fused_)
+      return *this;
+    const Matrix<T>& w = fused_.weight();
+    const auto part = [&](Index first, Index n) {
+      return Linear<T>(
+          Matrix<T>(w.middleCols(first, n)),
+          fused_.has_bias() ? Vector<T>(fused_.bias().segment(first, n)) : Vector<T>());
+    };
+    return QKVProjection(part(0, q_dim_), part(q_dim_, k_dim_), part(q_dim_ + k_dim_, v_dim_));
+  }
+
+  /// The fused form of separate projections with one input width (copies the weights).
+  QKVProjection fused_form() const {
+    if (is_fused_)
+      return *this;
+    if (q_.in_features() != k_.in_features() || q_.in_features() != v_.in_features()) {
+      detail::throw_invalid_argument(
+          "QKVProjection::fused_form",
+          "input widths (q, k, v) are " +
+              detail::shape_string({q_.in_features(), k_.in_features(), v_.in_features()}) +
+              ": fusing needs one input width");
+    }
+    Matrix<T> w(q_.in_features(), q_dim() + k_dim() + v_dim());
+    w << q_.weight(), k_.weight(), v_.weight();
+    Vector<T> b;
+    if (q_.has_bias()) {
+      b.resize(w.cols());
+      b << q_.bias(), k_.bias(), v_.bias();
+    }
+    return fused(std::move(w), std::move(b), q_dim(), k_dim(), v_dim());
+  }
+
+  bool is_fused() const { return is_fused_; }
+  bool has_bias() const { return is_fused_ ? fused_.has_bias() : q_.has_bias(); }
+  Index q_dim() const { return is_fused_ ? q_dim_ : q_.out_features(); }
+  Index k_dim() const { return is_fused_ ? k_dim_ : k_.out_features(); }
+  Index v_dim() const { return is_fused_ ? v_dim_ : v_.out_features(); }
+  Index q_in() const { return is_fused_ ? fused_.in_features() : q_.in_features(); }
+  Index k_in() const { return is_fused_ ? fused_.in_features() : k_.in_features(); }
+  Index v_in() const { return is_fused_ ? fused_.in_features() : v_.in_features(); }
+
+  /// Weight (in, out) views of Wq, Wk, Wv (column blocks of the fused weight when fused).
+  ConstRowsMap<T> wq() const { return weight_block(0); }
+  ConstRowsMap<T> wk() const { return weight_block(1); }
+  ConstRowsMap<T> wv() const { return weight_block(2); }
+  /// Bias pointers (null without bias).
+  const T* bq() const { return bias_block(0); }
+  const T* bk() const { return bias_block(1); }
+  const T* bv() const { return bias_block(2); }
+  /// The fused (E, Dq + Dk + Dv) layer (valid only when is_fused()).
+  const Linear<T>& fused_linear() const { return fused_; }
+
+  /// Self-attention: q, k, v from one x (B, S, E). Fused: one GEMM into one buffer.
+  QKV<T> operator()(const Tensor<T, 3>& x) const {
+    QKV<T> out;
+    project_into(x, x, x, out);
+    return out;
+  }
+
+  /// Cross-attention: q from x_q (B, Lq, Eq), k from x_k (B, Lk, Ek), v from x_v (B, Lk, Ev).
+  QKV<T> operator()(const Tensor<T, 3>& x_q, const Tensor<T, 3>& x_k,
+                    const Tensor<T, 3>& x_v) const {
+    QKV<T> out;
+    project_into(x_q, x_k, x_v, out);
+    return out;
+  }
+
+  /// Same, reusing `out`'s buffers (no allocation when the shapes repeat). The fused
+  /// one-GEMM path is taken when the projection is fused and x_q, x_k and x_v are the same
+  /// tensor (same data pointer).
+  void project_into(const Tensor<T, 3>& x_q, const Tensor<T, 3>& x_k, const Tensor<T, 3>& x_v,
+                    QKV<T>& out) const {
+    constexpr const char* function = "QKVProjection";
+    const auto shapes = [&] {
+      return detail::shape3("x_q", x_q.dimension(0), x_q.dimension(1), x_q.dimension(2)) + ", " +
+             detail::shape3("x_k", x_k.dimension(0), x_k.dimension(1), x_k.dimension(2)) + ", " +
+             detail::shape3("x_v", x_v.dimension(0), x_v.dimension(1), x_v.dimension(2));
+    };
+    if (q_dim() == 0)
+      detail::throw_invalid_argument(function, "the projection is empty");
+    if (x_q.dimension(0) != x_k.dimension(0) || x_q.dimension(0) != x_v.dimension(0)) {
+      detail::throw_invalid_argument(function, shapes() + ": batch sizes differ");
+    }
+    if (x_k.dimension(1) != x_v.dimension(1)) {
+      detail::throw_invalid_argument(function, shapes() + ": key and value lengths differ");
+    }
+    if (x_q.dimension(2) != q_in() || x_k.dimension(2) != k_in() || x_v.dimension(2) != v_in()) {
+      detail::throw_invalid_argument(function, shapes() + " but the input widths (q, k, v) are " +
+                                                   detail::shape_string({q_in(), k_in(), v_in()}));
+    }
+    const Index batch = x_q.dimension(0);
+    out.batch_ = batch;
+    out.q_length_ = x_q.dimension(1);
+    out.kv_length_ = x_k.dimension(1);
+    out.q_dim_ = q_dim();
+    out.k_dim_ = k_dim();
+    out.v_dim_ = v_dim();
+    const bool same_input = x_q.data() == x_k.data() && x_q.data() == x_v.data() &&
+                            x_q.dimension(1) == x_k.dimension(1);
+    out.fused_ = is_fused_ && same_input;
+    if (out.fused_) {
+      const Index n = batch * x_q.dimension(1);
+      out.qkv_.resize(n, out.total());
+      fused_.apply_into(detail::rows_of(x_q), as_rows(out.qkv_));  // one GEMM
+      return;
+    }
+    out.q_.resize(batch * out.q_length_, q_dim());
+    out.k_.resize(batch * out.kv_length_, k_dim());
+    out.v_.resize(batch * out.kv_length_, v_dim());
+    detail::linear_into<T>(detail::rows_of(x_q), wq(), bq(), as_rows(out.q_));
+    detail::linear_into<T>(detail::rows_of(x_k), wk(), bk(), as_rows(out.k_));
+    detail::linear_into<T>(detail::rows_of(x_v), wv(), bv(), as_rows(out.v_));
+  }
+
+ private:
+  static RowsMap<T> as_rows(Matrix<T>& m) {
+    return RowsMap<T>(m.data(), m.rows(), m.cols(), Eigen::OuterStride<>(m.cols()));
+  }
+  ConstRowsMap<T> weight_block(int which) const {
+    if (!is_fused_) {
+      const Matrix<T>& w = which == 0 ? q_.weight() : which == 1 ? k_.weight() : v_.weight();
+      return ConstRowsMap<T>(w.data(), w.rows(), w.cols(), Eigen::OuterStride<>(w.cols()));
+    }
+    const Matrix<T>& w = fused_.weight();
+    const Index first = which == 0 ? 0 : which == 1 ? q_dim_ : q_dim_ + k_dim_;
+    const Index n = which == 0 ? q_dim_ : which == 1 ? k_dim_ : v_dim_;
+    return ConstRowsMap<T>(w.data() + first, w.rows(), n, Eigen::OuterStride<>(w.cols()));
+  }
+  const T* bias_block(int which) const {
+    if (!has_bias())
+      return nullptr;
+    if (!is_fused_) {
+      return (which == 0 ? q_.bias() : which == 1 ? k_.bias() : v_.bias()).data();
+    }
+    return fused_.bias().data() + (which == 0 ? 0 : which == 1 ? q_dim_ : q_dim_ + k_dim_);
+  }
+
+  Linear<T> q_, k_, v_;  // separate form
+  Linear<T> fused_;      // fused form: (E, Dq + Dk + Dv)
+  bool is_fused_ = false;
+  Index q_dim_ = 0, k_dim_ = 0, v_dim_ = 0;
+};
+
+}  // namespace attn
