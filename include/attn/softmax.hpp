@@ -4,7 +4,8 @@
 // (logits of 1e4 are fine). Conventions, shared by every kernel of the library:
 //   - entries equal to -inf get weight 0 (they are masked keys);
 //   - a row that is entirely -inf (or empty) has softmax 0 everywhere and log-sum-exp -inf:
-//     "attends to nothing" rather than NaN (FlashAttention and current PyTorch agree);
+//     "attends to nothing" rather than NaN (FlashAttention's convention; PyTorch's math
+//     path returns NaN);
 //   - NaN anywhere in a row makes the whole row NaN: NaN is never masked away;
 //   - +inf in a row gives NaN, as in NumPy and PyTorch (inf - inf).
 #pragma once
