@@ -9,52 +9,12 @@
 #include <attn/attention.hpp>
 
 #include "support/fixtures.hpp"
+#include "support/sdpa_case.hpp"
 
 using attn::Index;
 using attn_test::json;
 
 namespace {
-
-/// One sdpa.json case, loaded in scalar type T.
-template <class T>
-struct Case {
-  std::string name;
-  attn::Tensor<T, 4> q, k, v;  // (B, Hq, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv)
-  attn::Tensor<bool, 4> keep_mask;
-  attn::Tensor<T, 4> bias;
-  attn::AttentionOptions<T> options;
-  std::vector<double> out, weights, lse;  // expected, float64
-
-  explicit Case(const json& c) : name(c.at("name").get<std::string>()) {
-    q = attn_test::tensor<T, 4>(c.at("q"));
-    k = attn_test::tensor<T, 4>(c.at("k"));
-    v = attn_test::tensor<T, 4>(c.at("v"));
-    if (!c.at("scale").is_null())
-      options.scale = static_cast<T>(c.at("scale").get<double>());
-    const std::string causal = c.at("causal").get<std::string>();
-    options.causal = causal == "top_left"       ? attn::Causal::top_left
-                     : causal == "bottom_right" ? attn::Causal::bottom_right
-                                                : attn::Causal::none;
-    const auto window = c.at("window").get<std::vector<Index>>();
-    options.window = {window.at(0), window.at(1)};
-    if (!c.at("key_lengths").is_null())
-      options.key_lengths = c.at("key_lengths").get<std::vector<Index>>();
-    if (!c.at("keep_mask").is_null()) {
-      keep_mask = attn_test::tensor<bool, 4>(c.at("keep_mask"));
-      options.keep_mask = keep_mask;
-    }
-    if (!c.at("bias").is_null()) {
-      bias = attn_test::tensor<T, 4>(c.at("bias"));
-      options.bias = bias;
-    }
-    out = attn_test::values<double>(c.at("out"));
-    weights = attn_test::values<double>(c.at("weights"));
-    lse = attn_test::values<double>(c.at("lse"));
-  }
-  // Options point into this object's tensors: neither copy nor move it.
-  Case(const Case&) = delete;
-  Case& operator=(const Case&) = delete;
-};
 
 /// The (Lq, Lk) slice at (b, h) of a tensor broadcastable to (B, H, Lq, Lk).
 template <class T>
@@ -81,7 +41,7 @@ TEMPLATE_TEST_CASE("batched attention matches the PyTorch fixtures", "[attention
   const double rtol = attn_test::tolerance<T>();
   for (const json& c : attn_test::fixture("sdpa.json").at("cases")) {
     SECTION(c.at("name").get<std::string>()) {
-      const Case<T> fx(c);
+      const attn_test::SdpaCase<T> fx(c);
       attn::Tensor<T, 4> weights;
       attn::Tensor<T, 3> lse;
       const attn::Tensor<T, 4> out =
@@ -115,7 +75,7 @@ TEMPLATE_TEST_CASE("(B, L, H, D) memory through strided views matches the fixtur
   using T = TestType;
   for (const json& c : attn_test::fixture("sdpa.json").at("cases")) {
     SECTION(c.at("name").get<std::string>()) {
-      const Case<T> fx(c);
+      const attn_test::SdpaCase<T> fx(c);
       // Transpose q, k, v to (B, L, H, D) storage, as a projection writes them.
       const Eigen::array<Index, 4> to_blhd{0, 2, 1, 3};
       const attn::Tensor<T, 4> q = fx.q.shuffle(to_blhd);
@@ -141,7 +101,7 @@ TEMPLATE_TEST_CASE("the one-head matrix overload matches the fixtures head by he
   const double rtol = attn_test::tolerance<T>();
   for (const json& c : attn_test::fixture("sdpa.json").at("cases")) {
     SECTION(c.at("name").get<std::string>()) {
-      const Case<T> fx(c);
+      const attn_test::SdpaCase<T> fx(c);
       const Index batch = fx.q.dimension(0), hq = fx.q.dimension(1), lq = fx.q.dimension(2);
       const Index hkv = fx.k.dimension(1), lk = fx.k.dimension(2), dv = fx.v.dimension(3);
       for (Index b = 0; b < batch; ++b) {

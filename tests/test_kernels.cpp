@@ -15,6 +15,7 @@
 #include <attn/attention.hpp>
 
 #include "support/fixtures.hpp"
+#include "support/sdpa_case.hpp"
 
 using attn::Index;
 using attn_test::json;
@@ -79,33 +80,8 @@ TEMPLATE_TEST_CASE("chunked and flash match the PyTorch fixtures with tiny tiles
   const double rtol = 2 * attn_test::tolerance<T>();
   for (const json& c : attn_test::fixture("sdpa.json").at("cases")) {
     const std::string name = c.at("name").get<std::string>();
-    const attn::Tensor<T, 4> q = attn_test::tensor<T, 4>(c.at("q"));
-    const attn::Tensor<T, 4> k = attn_test::tensor<T, 4>(c.at("k"));
-    const attn::Tensor<T, 4> v = attn_test::tensor<T, 4>(c.at("v"));
-    attn::AttentionOptions<T> options;
-    if (!c.at("scale").is_null())
-      options.scale = static_cast<T>(c.at("scale").get<double>());
-    const std::string causal = c.at("causal").get<std::string>();
-    options.causal = causal == "top_left"       ? attn::Causal::top_left
-                     : causal == "bottom_right" ? attn::Causal::bottom_right
-                                                : attn::Causal::none;
-    const auto window = c.at("window").get<std::vector<Index>>();
-    options.window = {window.at(0), window.at(1)};
-    if (!c.at("key_lengths").is_null())
-      options.key_lengths = c.at("key_lengths").get<std::vector<Index>>();
-    attn::Tensor<bool, 4> keep_mask;
-    attn::Tensor<T, 4> bias;
-    if (!c.at("keep_mask").is_null()) {
-      keep_mask = attn_test::tensor<bool, 4>(c.at("keep_mask"));
-      options.keep_mask = keep_mask;
-    }
-    if (!c.at("bias").is_null()) {
-      bias = attn_test::tensor<T, 4>(c.at("bias"));
-      options.bias = bias;
-    }
-    const std::vector<double> expected_out = attn_test::values<double>(c.at("out"));
-    const std::vector<double> expected_lse = attn_test::values<double>(c.at("lse"));
-
+    attn_test::SdpaCase<T> fx(c);
+    attn::AttentionOptions<T>& options = fx.options;
     for (const attn::Algorithm algorithm : tiled_algorithms) {
       for (const Index query_tile : {1, 2, 3}) {
         for (const Index key_tile : {2, 3}) {
@@ -116,9 +92,9 @@ TEMPLATE_TEST_CASE("chunked and flash match the PyTorch fixtures with tiny tiles
           options.key_tile = key_tile;
           attn::Tensor<T, 3> lse;
           const attn::Tensor<T, 4> out =
-              attn::scaled_dot_product_attention(q, k, v, options, nullptr, &lse);
-          ATTN_REQUIRE_CLOSE(out.data(), out.size(), expected_out, rtol);
-          ATTN_REQUIRE_CLOSE(lse.data(), lse.size(), expected_lse, rtol);
+              attn::scaled_dot_product_attention(fx.q, fx.k, fx.v, options, nullptr, &lse);
+          ATTN_REQUIRE_CLOSE(out.data(), out.size(), fx.out, rtol);
+          ATTN_REQUIRE_CLOSE(lse.data(), lse.size(), fx.lse, rtol);
         }
       }
     }
