@@ -168,7 +168,7 @@ int main() {
   }
   attn::MultiHeadForwardOptions<T> padding;
   padding.key_padding_mask = key_padding_mask;
-  padding.need_weights = true;  // averaged over heads: (B, 1, L, S)
+  padding.need_weights = true;  // averaged over heads: (B, L, S)
   const auto padded_out = mha.forward(xp, padding);
   for (Index b = 0; b < 3; ++b) {
     const Index n = lengths[static_cast<std::size_t>(b)];
@@ -187,7 +187,7 @@ int main() {
       }
       for (Index j = n; j < padded; ++j) {
         padded_weight =
-            std::max(padded_weight, static_cast<double>(padded_out.weights(b, 0, s, j)));
+            std::max(padded_weight, static_cast<double>(padded_out.averaged_weights(b, s, j)));
       }
     }
     std::cout << "sequence " << b << ": length " << n << " of " << padded

@@ -107,15 +107,17 @@ struct MultiHeadForwardOptions {
   MaskArg<T> float_attn_mask;      ///< (L, S) or (B*H, L, S); added to the scores
   bool is_causal = false;          ///< top-left causal mask (query i sees keys j <= i)
   bool need_weights = false;       ///< also return the attention weights (torch's default is true)
-  bool average_attn_weights = true;  ///< weights averaged over heads (B, 1, L, S') or per head
+  bool average_attn_weights = true;  ///< weights averaged over heads (B, L, S') or per head
 };
 
 /// The result of a forward call.
 template <class T>
 struct MultiHeadAttentionOutput {
-  Tensor<T, 3> output;   ///< (B, L, E)
-  Tensor<T, 4> weights;  ///< need_weights: (B, H, L, S') per head, or (B, 1, L, S') averaged
-                         ///< (torch's (B, L, S') with a unit head axis); else empty
+  Tensor<T, 3> output;            ///< (B, L, E)
+  Tensor<T, 3> averaged_weights;  ///< need_weights && average_attn_weights: (B, L, S'),
+                                  ///< the mean over heads (torch's default); else empty
+  Tensor<T, 4> weights;           ///< need_weights && !average_attn_weights: (B, H, L, S')
+                                  ///< per head; else empty
 };
 
 /// Scratch buffers of a forward call; reuse one across calls of the same shape to avoid
@@ -397,19 +399,21 @@ class MultiHeadAttention {
       weights = w.data();
     }
     scaled_dot_product_attention_into<T>(qv, kv, vv, out, attention, weights);
+    if (!options.need_weights || options.average_attn_weights)
+      result.weights = Tensor<T, 4>();
     if (options.need_weights && options.average_attn_weights) {
-      result.weights.resize(batch, 1, q_length, kv_length);
+      result.averaged_weights.resize(batch, q_length, kv_length);
       const Index plane = q_length * kv_length;
       for (Index b = 0; b < batch; ++b) {
-        Eigen::Map<Vector<T>> avg(result.weights.data() + b * plane, plane);
+        Eigen::Map<Vector<T>> avg(result.averaged_weights.data() + b * plane, plane);
         avg.setZero();
         for (Index h = 0; h < heads; ++h) {
           avg += Eigen::Map<const Vector<T>>(weights + (b * heads + h) * plane, plane);
         }
         avg /= static_cast<T>(heads);
       }
-    } else if (!options.need_weights) {
-      result.weights = Tensor<T, 4>();
+    } else {
+      result.averaged_weights = Tensor<T, 3>();
     }
 
     // pass 3: output projection, one GEMM.
