@@ -237,7 +237,8 @@ TEST_CASE("scaled_dot_product_attention rejects inconsistent shapes and options"
                       "scaled_dot_product_attention: window is (0, -2): each side must be >= -1 "
                       "(-1 = unbounded)");
   options = {};
-  options.key_lengths = {16, 17};
+  options.key_lengths =
+      std::vector<Index>{16, 17};  // not "= {..}": GCC 12 -Wnonnull false positive
   REQUIRE_THROWS_WITH(sdpa(q, k, v, options),
                       "scaled_dot_product_attention: key_lengths[1] is 17: must lie in [0, Lk] "
                       "with Lk = 16");

@@ -73,7 +73,7 @@ TEST_CASE("tile classification agrees with element-wise visibility", "[mask]") {
     const attn::Window window{side(rng), side(rng)};
     std::vector<Index> key_lengths;
     if (coin(rng) == 1)
-      key_lengths = {std::uniform_int_distribution<Index>(0, lk)(rng), lk};
+      key_lengths = std::vector<Index>{std::uniform_int_distribution<Index>(0, lk)(rng), lk};
     attn::Tensor<bool, 4> keep(1, 1, lq, lk);
     const bool with_keep = trial % 5 == 0;
     for (Index n = 0; n < keep.size(); ++n)
