@@ -24,17 +24,26 @@
 
 namespace attn {
 
+namespace detail {
+
+/// Throws unless a (B, S, width) tensor splits into `heads` heads of equal width.
+inline void check_heads_divide_width(const char* function, Index batch, Index length, Index width,
+                                     Index heads) {
+  if (heads < 1 || width % heads != 0) {
+    throw_invalid_argument(function, "x is " + shape_string({batch, length, width}) +
+                                         ": the width " + std::to_string(width) +
+                                         " is not divisible by heads " + std::to_string(heads));
+  }
+}
+
+}  // namespace detail
+
 /// (B, S, H*D) -> (B, H, S, D): reshape to (B, S, H, D), then swap S and H (a copy).
 template <class T>
 Tensor<T, 4> split_heads(const Tensor<T, 3>& x,  // (B, S, H*D)
                          Index heads) {
   const Index batch = x.dimension(0), length = x.dimension(1), width = x.dimension(2);
-  if (heads < 1 || width % heads != 0) {
-    detail::throw_invalid_argument(
-        "split_heads", "x is " + detail::shape_string({batch, length, width}) + ": the width " +
-                           std::to_string(width) + " is not divisible by heads " +
-                           std::to_string(heads));
-  }
+  detail::check_heads_divide_width("split_heads", batch, length, width, heads);
   const std::array<Index, 4> bshd{batch, length, heads, width / heads};
   const std::array<int, 4> swap_s_h{0, 2, 1, 3};
   return x.reshape(bshd).shuffle(swap_s_h);  // (B, H, S, D)
@@ -56,12 +65,7 @@ template <class T>
 HeadsView<const T> heads_view(const Tensor<T, 3>& x,  // (B, S, H*D)
                               Index heads) {
   const Index batch = x.dimension(0), length = x.dimension(1), width = x.dimension(2);
-  if (heads < 1 || width % heads != 0) {
-    detail::throw_invalid_argument(
-        "heads_view", "x is " + detail::shape_string({batch, length, width}) + ": the width " +
-                          std::to_string(width) + " is not divisible by heads " +
-                          std::to_string(heads));
-  }
+  detail::check_heads_divide_width("heads_view", batch, length, width, heads);
   return blhd_view(x.data(), batch, length, heads, width / heads);
 }
 template <class T>
