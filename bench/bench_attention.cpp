@@ -1,4 +1,5 @@
-// Benchmarks of scaled dot-product attention: naive, chunked and flash, each beside Eigen's
+// Benchmarks of scaled dot-product attention: naive, chunked, flash (and flash_portable, the
+// Eigen-tile flash kernel that runs where AVX-512 is not compiled in), each beside Eigen's
 // plain GEMM at the same (Lq x D) x (D x Lk) shape and an FMA peak probe, all in one binary
 // so that every figure can be read as a fraction of this machine's measured peak.
 //
@@ -187,6 +188,64 @@ void BM_sdpa(benchmark::State& state, attn::Algorithm algorithm) {
   set_threads(1);
 }
 
+// The portable flash kernel (kernels/flash.hpp: Eigen GEMMs on tiles), which is what float
+// runs without AVX-512 and what double always runs; driven like the library drives it, with
+// the default tiles, so that its ratio to "flash" shows what the AVX-512 kernel brings.
+void BM_flash_portable(benchmark::State& state) {
+  const Index length = state.range(0), dim = state.range(1);
+  const bool causal = state.range(2) != 0;
+  const int threads = static_cast<int>(state.range(3));
+  set_threads(threads);
+  Inputs inputs(length, dim);
+  const attn::Mask<float> mask("flash_portable", 1, kHeads, length, length,
+                               causal ? attn::Causal::top_left : attn::Causal::none, {}, {}, {},
+                               {});
+  const Index query_tile = std::min(attn::default_query_tile, length);
+  const Index key_tile = std::min(attn::default_key_tile, length);
+  const Index tiles = (length + query_tile - 1) / query_tile;
+  const auto q = inputs.view(inputs.q), k = inputs.view(inputs.k), v = inputs.view(inputs.v);
+  const auto out = attn::bhld_view(inputs.out.data(), Index(1), kHeads, length, dim);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  const auto run = [&] {
+#if ATTN_HAS_OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+      attn::detail::FlashWorkspace<float> workspace;
+      workspace.reserve(query_tile, key_tile, dim, dim);
+#if ATTN_HAS_OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+      for (Index item = 0; item < kHeads * tiles; ++item) {
+        const Index h = item / tiles, tile = tiles - 1 - item % tiles;
+        const Index i0 = tile * query_tile, i1 = std::min(i0 + query_tile, length);
+        attn::HeadMatrix<float> head_out = out.head(0, h);
+        attn::detail::flash_attention_tile<float>(q.head(0, h), k.head(0, h), v.head(0, h),
+                                                  head_out, mask, 0, h, scale, i0, i1, key_tile,
+                                                  workspace, nullptr);
+      }
+    }
+  };
+  std::vector<float> reference(inputs.out.size());
+  inputs.run(attn::Algorithm::naive, causal, reference);
+  run();
+  float worst = 0;
+  for (std::size_t n = 0; n < reference.size(); ++n)
+    worst = std::max(worst, std::abs(reference[n] - inputs.out[n]));
+  if (!(worst < 1e-4f)) {
+    state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
+    return;
+  }
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(inputs.out.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] = benchmark::Counter(attention_flops(length, dim, causal),
+                                               benchmark::Counter::kIsIterationInvariantRate);
+  set_threads(1);
+}
+
 // Eigen's plain GEMM at one head's shape: (Lq x D) x (D x Lk) -> (Lq x Lk), row-major, as
 // many times as there are heads, so its FLOPs equal half of the non-causal attention's.
 void BM_gemm(benchmark::State& state) {
@@ -241,6 +300,7 @@ void register_all() {
       "chunked", [](benchmark::State& s) { BM_sdpa(s, attn::Algorithm::chunked); }, true);
   add(
       "flash", [](benchmark::State& s) { BM_sdpa(s, attn::Algorithm::flash); }, true);
+  add("flash_portable", BM_flash_portable, true);
 }
 
 }  // namespace

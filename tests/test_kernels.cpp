@@ -280,6 +280,8 @@ TEMPLATE_TEST_CASE("chunked and flash agree with a double-precision reference", 
     check_agreement<T>({2, 4, 2, 37, 91, 8, 8, mask_kind}, rng, 5, 7);
     check_agreement<T>({2, 4, 2, 91, 37, 16, 8, mask_kind}, rng, 7, 5);
     check_agreement<T>({1, 2, 1, 300, 300, 64, 64, mask_kind}, rng, 0, 0);  // default tiles
+    // Tiles that are not whole vectors or register blocks, Dv past one column block.
+    check_agreement<T>({1, 2, 2, 150, 200, 72, 130, mask_kind}, rng, 50, 37);
   }
 }
 
@@ -376,3 +378,37 @@ TEMPLATE_TEST_CASE("flash handles empty problems and NaN like naive", "[kernels]
       REQUIRE(result.row(i).array().isNaN().all() == (i == 2 || i >= 4));
   }
 }
+
+#if ATTN_HAS_AVX512_FLASH
+TEST_CASE("the AVX-512 flash kernel's exp is accurate, exactly 0 at -inf and keeps NaN",
+          "[kernels]") {
+  using attn::detail::avx512::exp_shifted;
+  const auto exp16 = [](float x, float shift) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, exp_shifted(_mm512_set1_ps(x), _mm512_set1_ps(shift)));
+    return lanes[0];
+  };
+  // Relative error where exp(x) is a normal float, absolute error where it is subnormal.
+  double worst_relative = 0, worst_subnormal = 0;
+  for (float x = -103.0f; x <= 0.0f; x += 0.0137f) {
+    const double expected = std::exp(static_cast<double>(x));
+    const double error = std::abs(exp16(x, 0.0f) - expected);
+    if (expected >= static_cast<double>(std::numeric_limits<float>::min()))
+      worst_relative = std::max(worst_relative, error / expected);
+    else
+      worst_subnormal = std::max(worst_subnormal, error);
+  }
+  INFO("worst relative error " << worst_relative << ", worst subnormal error " << worst_subnormal);
+  CHECK(worst_relative <= 2 * static_cast<double>(std::numeric_limits<float>::epsilon()));
+  CHECK(worst_subnormal <= static_cast<double>(std::numeric_limits<float>::denorm_min()));
+  CHECK(exp16(0.0f, 0.0f) == 1.0f);
+  CHECK(exp16(-std::numeric_limits<float>::infinity(), 0.0f) == 0.0f);
+  CHECK(exp16(-std::numeric_limits<float>::infinity(), -3.0f) == 0.0f);
+  CHECK(exp16(-200.0f, 0.0f) == 0.0f);
+  CHECK(std::isnan(exp16(std::numeric_limits<float>::quiet_NaN(), 0.0f)));
+  // exp(x - shift) with large logits: the difference is exact, so is the result.
+  const double shifted = std::exp(-2.5);
+  CHECK(std::abs(exp16(997.5f, 1000.0f) - shifted) / shifted <=
+        4 * static_cast<double>(std::numeric_limits<float>::epsilon()));
+}
+#endif

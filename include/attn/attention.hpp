@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <Eigen/Core>
@@ -29,6 +30,7 @@
 #include "attn/config.hpp"
 #include "attn/kernels/chunked.hpp"
 #include "attn/kernels/flash.hpp"
+#include "attn/kernels/flash_avx512.hpp"
 #include "attn/kernels/naive.hpp"
 #include "attn/mask.hpp"
 #include "attn/tensor.hpp"
@@ -221,10 +223,18 @@ void scaled_dot_product_attention_into(const HeadsView<const T>& q,  // (B, Hq, 
   {
     // One workspace per thread, allocated once per call.
     detail::FlashWorkspace<T> flash_workspace;
+#if ATTN_HAS_AVX512_FLASH
+    detail::avx512::FlashWorkspace avx512_workspace;
+#endif
     Matrix<T> chunk_workspace;
     if (flash) {
-      flash_workspace.reserve(std::min(query_tile, q_length), std::min(key_tile, k_length), q.dim,
-                              v.dim);
+      const Index rows = std::min(query_tile, q_length), keys = std::min(key_tile, k_length);
+#if ATTN_HAS_AVX512_FLASH
+      if constexpr (std::is_same_v<T, float>)
+        avx512_workspace.reserve(rows, keys, q.dim, v.dim);
+      else
+#endif
+        flash_workspace.reserve(rows, keys, q.dim, v.dim);
     }
 #if ATTN_HAS_OPENMP
 #pragma omp for schedule(dynamic, 1)
@@ -239,6 +249,14 @@ void scaled_dot_product_attention_into(const HeadsView<const T>& q,  // (B, Hq, 
       T* head_lse = logsumexp != nullptr ? logsumexp + head_item * q_length : nullptr;
       HeadMatrix<T> head_out = out.head(b, h);
       if (flash) {
+#if ATTN_HAS_AVX512_FLASH
+        if constexpr (std::is_same_v<T, float>) {
+          detail::avx512::flash_attention_tile(
+              q.head(b, h), k.head(b, h / group), v.head(b, h / group), head_out, mask, b, h, scale,
+              i0, i1, std::min(key_tile, k_length), avx512_workspace, head_lse);
+          continue;
+        }
+#endif
         detail::flash_attention_tile<T>(q.head(b, h), k.head(b, h / group), v.head(b, h / group),
                                         head_out, mask, b, h, scale, i0, i1,
                                         std::min(key_tile, k_length), flash_workspace, head_lse);

@@ -1,0 +1,455 @@
+// attn/kernels/flash_avx512.hpp: the flash kernel for float with AVX-512 micro-kernels.
+//
+// Same algorithm and results (within rounding) as kernels/flash.hpp, with hand-written
+// register-blocked products instead of Eigen's GEMM, whose packing and blocking do not pay
+// off at the depth of one head (D = 64): this kernel runs at about 1.5x Eigen's GEMM rate
+// at the same shapes (README, Performance).
+//
+//   qt       (D, Bq')    scale * q tile^T, Bq' = Bq rounded up to 16 (padding columns 0)
+//   st       (Bk, Bq')   scores^T, then probabilities^T, of one key tile
+//   o        (Bq', Dv)   unnormalised output, rescaled in place
+//   m, l     (Bq')       running max and running sum of each query
+//   k tile   (Bk, D)     read in place through the strided head view, not transposed,
+//                        not packed: each k[j, d] is broadcast from memory
+//   v tile   (Bk, Dv)    read in place: rows of v are the vector operand of o += p v
+//
+// Why the scores are transposed: st = k qt is then a product whose vector operand is a row
+// of qt (16 queries) and whose scalar operand is one element of a k row, so k needs no
+// packing; the online softmax reduces over keys, i.e. down the columns of st, an elementwise
+// max/add of 16-query vectors; and p v reads p^T's rows as broadcast scalars.
+//
+// Extra memory per thread: Bq' * (D + Bk + Dv + 4) floats, independent of Lq and Lk.
+// Compiled only when the translation unit targets AVX-512F (e.g. -march=native on a CPU
+// that has it) and ATTN_NO_AVX512 is not defined; otherwise attention.hpp uses
+// kernels/flash.hpp for float too.
+#pragma once
+
+#if defined(__AVX512F__) && !defined(ATTN_NO_AVX512)
+#define ATTN_HAS_AVX512_FLASH 1
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+#include "attn/config.hpp"
+#include "attn/mask.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn::detail::avx512 {
+
+inline constexpr Index lanes = 16;  // floats per __m512
+
+/// Scratch of one thread, sized once per call; rows are padded to whole vectors.
+struct FlashWorkspace {
+  Matrix<float> qt;        // (D, Bq')
+  Matrix<float> st;        // (Bk, Bq')
+  Matrix<float> o;         // (Bq', Dv)
+  Vector<float> m;         // (Bq')
+  Vector<float> l;         // (Bq')
+  Vector<float> alpha;     // (Bq')
+  Vector<float> tile_max;  // (Bq')
+
+  static Index padded(Index n) { return (n + lanes - 1) / lanes * lanes; }
+
+  void reserve(Index query_tile, Index key_tile, Index dim, Index value_dim) {
+    const Index width = padded(query_tile);
+    qt.resize(dim, width);
+    st.resize(key_tile, width);
+    o.resize(width, value_dim);
+    m.resize(width);
+    l.resize(width);
+    alpha.resize(width);
+    tile_max.resize(width);
+  }
+};
+
+/// exp(x - shift) for x <= shift (or NaN). With d = x - shift (exact when x is near shift, so
+/// large logits lose nothing), n = round(d log2(e)) and r = d - n ln(2) in two parts
+/// (Cody-Waite, so r is exact to float precision), exp(d) = 2^n * p(r), p the degree-7
+/// Taylor polynomial of exp on |r| <= ln(2)/2 (truncation error < 6e-9). Arguments below
+/// -104 (and -inf) give exactly 0; NaN stays NaN.
+inline __m512 exp_shifted(__m512 x, __m512 shift) {
+  const __m512 d = _mm512_sub_ps(x, shift);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), d);  // ln 2, high part: exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);      // ln 2, low part
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512 e = _mm512_scalef_ps(p, n);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(underflow, e, _mm512_setzero_ps());
+}
+
+/// qt[d, 0:rows] = scale * q[0:rows, d]: the query tile transposed, 16 rows per gather.
+inline void pack_queries_transposed(const float* q, Index q_stride,  // (rows, D)
+                                    Index rows, Index dim, float scale, float* qt,
+                                    Index qt_stride) {  // (D, rows)
+  const __m512 scale_vector = _mm512_set1_ps(scale);
+  Index r0 = 0;
+  if (q_stride <= (Index{1} << 26)) {  // 32-bit gather offsets
+    const __m512i offsets =
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32(static_cast<int>(q_stride)));
+    for (; r0 + lanes <= rows; r0 += lanes) {
+      const float* column = q + r0 * q_stride;
+      for (Index d = 0; d < dim; ++d) {
+        const __m512 x = _mm512_i32gather_ps(offsets, column + d, 4);
+        _mm512_storeu_ps(qt + d * qt_stride + r0, _mm512_mul_ps(x, scale_vector));
+      }
+    }
+  }
+  for (Index d = 0; d < dim; ++d) {
+    for (Index r = r0; r < rows; ++r)
+      qt[d * qt_stride + r] = scale * q[r * q_stride + d];
+  }
+}
+
+/// st[r, 0:16C] = sum_d k[r, d] * qt[d, 0:16C] for r < R: an (R x 16C) register block.
+/// With `column_max`, also column_max[0:16C] = max(column_max, max_r st[r, 0:16C]) while the
+/// block is still in registers (NaN scores may or may not enter the max: they reach the
+/// output through their probabilities either way).
+template <std::size_t R, std::size_t C>
+inline void scores_block(const float* k, Index k_stride,    // (R, D) rows of k
+                         const float* qt, Index qt_stride,  // (D, 16C) columns of qt
+                         Index dim, float* st, Index st_stride,
+                         float* column_max) {  // (16C) or null
+  __m512 acc[R][C];
+#pragma GCC unroll 16
+  for (std::size_t r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (std::size_t c = 0; c < C; ++c)
+      acc[r][c] = _mm512_setzero_ps();
+  }
+  for (Index d = 0; d < dim; ++d) {
+    __m512 q[C];
+#pragma GCC unroll 4
+    for (std::size_t c = 0; c < C; ++c)
+      q[c] = _mm512_loadu_ps(qt + d * qt_stride + lanes * static_cast<Index>(c));
+#pragma GCC unroll 16
+    for (std::size_t r = 0; r < R; ++r) {
+      const __m512 key = _mm512_set1_ps(k[static_cast<Index>(r) * k_stride + d]);
+#pragma GCC unroll 4
+      for (std::size_t c = 0; c < C; ++c)
+        acc[r][c] = _mm512_fmadd_ps(key, q[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (std::size_t r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (std::size_t c = 0; c < C; ++c)
+      _mm512_storeu_ps(st + static_cast<Index>(r) * st_stride + lanes * static_cast<Index>(c),
+                       acc[r][c]);
+  }
+  if (column_max != nullptr) {
+#pragma GCC unroll 4
+    for (std::size_t c = 0; c < C; ++c) {
+      __m512 block_max = acc[0][c];
+#pragma GCC unroll 16
+      for (std::size_t r = 1; r < R; ++r)
+        block_max = _mm512_max_ps(acc[r][c], block_max);
+      float* running = column_max + lanes * static_cast<Index>(c);
+      _mm512_storeu_ps(running, _mm512_max_ps(block_max, _mm512_loadu_ps(running)));
+    }
+  }
+}
+
+/// o[r, 0:16C] = alpha[r] * o[r, 0:16C] + sum_j pt[j, r] * v[j, 0:16C] for r < R, an
+/// (R x 16C) register block; `tail` masks the lanes of the last vector that exist. With
+/// `first`, the old o is neither read nor rescaled (it may be uninitialised).
+template <std::size_t R, std::size_t C>
+inline void values_block(const float* pt, Index pt_stride,  // (Bk, R) columns of st
+                         const float* v, Index v_stride,    // (Bk, 16C) columns of v
+                         Index keys, __mmask16 tail,
+                         const float* alpha,                      // (R)
+                         bool first, float* o, Index o_stride) {  // (R, 16C) block of o
+  const auto load = [tail](std::size_t c, const float* from) {
+    return c + 1 == C ? _mm512_maskz_loadu_ps(tail, from) : _mm512_loadu_ps(from);
+  };
+  __m512 acc[R][C];
+#pragma GCC unroll 8
+  for (std::size_t r = 0; r < R; ++r) {
+    const __m512 scale = first ? _mm512_setzero_ps() : _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+    for (std::size_t c = 0; c < C; ++c) {
+      acc[r][c] = first ? _mm512_setzero_ps()
+                        : _mm512_mul_ps(load(c, o + static_cast<Index>(r) * o_stride +
+                                                    lanes * static_cast<Index>(c)),
+                                        scale);
+    }
+  }
+  for (Index j = 0; j < keys; ++j) {
+    __m512 value[C];
+#pragma GCC unroll 4
+    for (std::size_t c = 0; c < C; ++c)
+      value[c] = load(c, v + j * v_stride + lanes * static_cast<Index>(c));
+#pragma GCC unroll 8
+    for (std::size_t r = 0; r < R; ++r) {
+      const __m512 p = _mm512_set1_ps(pt[j * pt_stride + static_cast<Index>(r)]);
+#pragma GCC unroll 4
+      for (std::size_t c = 0; c < C; ++c)
+        acc[r][c] = _mm512_fmadd_ps(p, value[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (std::size_t r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (std::size_t c = 0; c < C; ++c) {
+      float* to = o + static_cast<Index>(r) * o_stride + lanes * static_cast<Index>(c);
+      if (c + 1 == C)
+        _mm512_mask_storeu_ps(to, tail, acc[r][c]);
+      else
+        _mm512_storeu_ps(to, acc[r][c]);
+    }
+  }
+}
+
+// Register blocks: scores (12 keys x 32 queries), values (6 queries x 64 value dims): 24
+// accumulators of the 32 zmm registers each; remainders use smaller blocks.
+inline constexpr Index score_rows = 12;
+inline constexpr Index value_rows = 6;
+inline constexpr Index value_vectors = 4;
+
+template <std::size_t C>
+inline void scores_rows(Index rows, const float* k, Index k_stride, const float* qt,
+                        Index qt_stride, Index dim, float* st, Index st_stride, float* column_max) {
+  switch (rows) {
+#define ATTN_SCORES_CASE(R) \
+  case R:                   \
+    return scores_block<R, C>(k, k_stride, qt, qt_stride, dim, st, st_stride, column_max);
+    ATTN_SCORES_CASE(1)
+    ATTN_SCORES_CASE(2)
+    ATTN_SCORES_CASE(3)
+    ATTN_SCORES_CASE(4)
+    ATTN_SCORES_CASE(5)
+    ATTN_SCORES_CASE(6)
+    ATTN_SCORES_CASE(7)
+    ATTN_SCORES_CASE(8)
+    ATTN_SCORES_CASE(9)
+    ATTN_SCORES_CASE(10)
+    ATTN_SCORES_CASE(11)
+    ATTN_SCORES_CASE(12)
+#undef ATTN_SCORES_CASE
+    default:
+      ATTN_ASSERT(false);
+  }
+}
+
+template <std::size_t C>
+inline void values_rows(Index rows, const float* pt, Index pt_stride, const float* v,
+                        Index v_stride, Index keys, __mmask16 tail, const float* alpha, bool first,
+                        float* o, Index o_stride) {
+  switch (rows) {
+#define ATTN_VALUES_CASE(R) \
+  case R:                   \
+    return values_block<R, C>(pt, pt_stride, v, v_stride, keys, tail, alpha, first, o, o_stride);
+    ATTN_VALUES_CASE(1)
+    ATTN_VALUES_CASE(2)
+    ATTN_VALUES_CASE(3)
+    ATTN_VALUES_CASE(4)
+    ATTN_VALUES_CASE(5)
+    ATTN_VALUES_CASE(6)
+#undef ATTN_VALUES_CASE
+    default:
+      ATTN_ASSERT(false);
+  }
+}
+
+/// Column maxima of a (keys, 16) block of st, four chains so that the max latency overlaps.
+inline __m512 column_maxima(const float* st, Index st_stride, Index keys) {
+  __m512 m[4];
+  for (__m512& x : m)
+    x = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  Index j = 0;
+  for (; j + 4 <= keys; j += 4) {
+#pragma GCC unroll 4
+    for (std::size_t u = 0; u < 4; ++u)
+      m[u] = _mm512_max_ps(_mm512_loadu_ps(st + (j + static_cast<Index>(u)) * st_stride), m[u]);
+  }
+  for (; j < keys; ++j)
+    m[0] = _mm512_max_ps(_mm512_loadu_ps(st + j * st_stride), m[0]);
+  return _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
+}
+
+/// Online-softmax update of one key tile for 16 queries (one column block of st), given the
+/// tile's column maxima:
+///   m' = max(m, tile_max);  p[j] = exp(s[j] - m');  l = l * exp(m - m') + sum_j p[j]
+/// A query that has seen only hidden keys (m' = -inf) gets p = exp(s - 0) = 0 and alpha 1.
+/// NaN scores give NaN probabilities, so they propagate to the output.
+inline void softmax_update(float* st, Index st_stride, Index keys,               // (keys, 16) of st
+                           __m512 tile_max, float* m, float* l, float* alpha) {  // (16) each
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 m_old = _mm512_loadu_ps(m);
+  const __m512 m_new = _mm512_max_ps(tile_max, m_old);
+  const __mmask16 nothing_seen = _mm512_cmp_ps_mask(m_new, minus_inf, _CMP_EQ_OQ);
+  const __m512 shift = _mm512_mask_blend_ps(nothing_seen, m_new, _mm512_setzero_ps());
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  Index j = 0;
+  for (; j + 1 < keys; j += 2) {  // two chains: the adds do not wait for each other
+    const __m512 p0 = exp_shifted(_mm512_loadu_ps(st + j * st_stride), shift);
+    const __m512 p1 = exp_shifted(_mm512_loadu_ps(st + (j + 1) * st_stride), shift);
+    _mm512_storeu_ps(st + j * st_stride, p0);
+    _mm512_storeu_ps(st + (j + 1) * st_stride, p1);
+    sum0 = _mm512_add_ps(sum0, p0);
+    sum1 = _mm512_add_ps(sum1, p1);
+  }
+  if (j < keys) {
+    const __m512 p0 = exp_shifted(_mm512_loadu_ps(st + j * st_stride), shift);
+    _mm512_storeu_ps(st + j * st_stride, p0);
+    sum0 = _mm512_add_ps(sum0, p0);
+  }
+  const __m512 rescale =
+      _mm512_mask_blend_ps(nothing_seen, exp_shifted(m_old, shift), _mm512_set1_ps(1.0f));
+  _mm512_storeu_ps(alpha, rescale);
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), rescale, _mm512_add_ps(sum0, sum1)));
+  _mm512_storeu_ps(m, m_new);
+}
+
+/// Flash attention for queries [i0, i1) of one (batch b, query head h) pair; the contract of
+/// detail::flash_attention_tile (kernels/flash.hpp), for float.
+///   pass 1: qt = scale * q[i0:i1]^T                  (the scale folded into the operand)
+///   pass 2: for each key tile [j0, j1) the mask does not hide:
+///             st = k[j0:j1] qt                        (12 x 32 register blocks; the column
+///                                                      maxima in the same pass when the tile
+///                                                      needs no mask)
+///             otherwise mask st, then its column maxima
+///             online softmax down the columns of st   (16 queries per vector)
+///             o = alpha o + st^T v[j0:j1]             (6 x 64 register blocks)
+///   pass 3: out = o / l (zeros when l = 0), logsumexp = m + log l
+inline void flash_attention_tile(const HeadMatrix<const float>& q,  // (Lq, D)
+                                 const HeadMatrix<const float>& k,  // (Lk, D)
+                                 const HeadMatrix<const float>& v,  // (Lk, Dv)
+                                 HeadMatrix<float>& out,  // (Lq, Dv), rows [i0, i1) written
+                                 const Mask<float>& mask, Index b, Index h, float scale, Index i0,
+                                 Index i1, Index key_tile, FlashWorkspace& workspace,
+                                 float* logsumexp) {  // (Lq) or null, rows [i0, i1) written
+  constexpr float minus_inf = -std::numeric_limits<float>::infinity();
+  const Index rows = i1 - i0;
+  const Index width = FlashWorkspace::padded(rows);
+  const Index dim = q.cols(), value_dim = v.cols();
+  const Index stride = workspace.qt.cols();  // row stride of qt and st
+  ATTN_ASSERT(rows > 0 && width <= stride && key_tile <= workspace.st.rows());
+
+  const auto [keys_first, keys_last] = mask.key_range(b, i0, i1);
+  float* m = workspace.m.data();
+  float* l = workspace.l.data();
+  float* tile_max = workspace.tile_max.data();
+  float* alpha = workspace.alpha.data();
+  std::fill_n(m, width, minus_inf);
+  std::fill_n(l, width, 0.0f);
+  bool first_tile = true;
+
+  if (keys_first < keys_last) {
+    float* qt = workspace.qt.data();
+    pack_queries_transposed(q.row(i0).data(), q.outerStride(), rows, dim, scale, qt,
+                            stride);  // pass 1
+    for (Index d = 0; d < dim; ++d)
+      std::fill(qt + d * stride + rows, qt + d * stride + width, 0.0f);
+
+    float* st = workspace.st.data();
+    float* o = workspace.o.data();
+    const Index o_stride = workspace.o.cols();
+    for (Index j0 = keys_first; j0 < keys_last; j0 += key_tile) {  // pass 2
+      const Index j1 = std::min(j0 + key_tile, keys_last);
+      const Index cols = j1 - j0;
+      const TileVisibility visibility = mask.classify(b, h, i0, i1, j0, j1);
+      if (visibility == TileVisibility::hidden)
+        continue;
+      const bool masked = visibility == TileVisibility::partial || mask.has_bias();
+
+      std::fill_n(tile_max, width, minus_inf);
+      for (Index j = 0; j < cols; j += score_rows) {
+        const Index block_rows = std::min(score_rows, cols - j);
+        const float* k_rows = k.row(j0 + j).data();
+        float* st_rows = st + j * stride;
+        Index c0 = 0;
+        for (; c0 + 2 * lanes <= width; c0 += 2 * lanes) {
+          scores_rows<2>(block_rows, k_rows, k.outerStride(), qt + c0, stride, dim, st_rows + c0,
+                         stride, masked ? nullptr : tile_max + c0);
+        }
+        if (c0 < width) {
+          scores_rows<1>(block_rows, k_rows, k.outerStride(), qt + c0, stride, dim, st_rows + c0,
+                         stride, masked ? nullptr : tile_max + c0);
+        }
+      }
+      if (masked) {
+        // (rows, cols) of scores seen as a column-major view of st
+        Eigen::Map<Eigen::MatrixXf, 0, Eigen::OuterStride<>> scores(st, rows, cols,
+                                                                    Eigen::OuterStride<>(stride));
+        mask.apply(b, h, i0, j0, scores);
+        for (Index c0 = 0; c0 < width; c0 += lanes)
+          _mm512_storeu_ps(tile_max + c0, column_maxima(st + c0, stride, cols));
+      }
+      for (Index c0 = 0; c0 < width; c0 += lanes) {
+        softmax_update(st + c0, stride, cols, _mm512_loadu_ps(tile_max + c0), m + c0, l + c0,
+                       alpha + c0);
+      }
+      for (Index e = 0; e < value_dim; e += lanes * value_vectors) {
+        const Index remaining = value_dim - e;
+        const Index vectors = std::min(value_vectors, (remaining + lanes - 1) / lanes);
+        const Index last_lanes = remaining - (vectors - 1) * lanes;  // lanes of the last vector
+        const auto tail = static_cast<__mmask16>(
+            last_lanes >= lanes ? 0xFFFFu : (1u << static_cast<unsigned>(last_lanes)) - 1u);
+        for (Index r = 0; r < rows; r += value_rows) {
+          const Index block_rows = std::min(value_rows, rows - r);
+          const float* pt = st + r;
+          const float* v_cols = v.row(j0).data() + e;
+          float* o_block = o + r * o_stride + e;
+          switch (vectors) {
+            case 1:
+              values_rows<1>(block_rows, pt, stride, v_cols, v.outerStride(), cols, tail, alpha + r,
+                             first_tile, o_block, o_stride);
+              break;
+            case 2:
+              values_rows<2>(block_rows, pt, stride, v_cols, v.outerStride(), cols, tail, alpha + r,
+                             first_tile, o_block, o_stride);
+              break;
+            case 3:
+              values_rows<3>(block_rows, pt, stride, v_cols, v.outerStride(), cols, tail, alpha + r,
+                             first_tile, o_block, o_stride);
+              break;
+            default:
+              values_rows<4>(block_rows, pt, stride, v_cols, v.outerStride(), cols, tail, alpha + r,
+                             first_tile, o_block, o_stride);
+              break;
+          }
+        }
+      }
+      first_tile = false;
+    }
+  }
+
+  // pass 3
+  const float* o = workspace.o.data();
+  const Index o_stride = workspace.o.cols();
+  for (Index r = 0; r < rows; ++r) {
+    auto out_row = out.row(i0 + r);
+    if (first_tile || l[r] == 0.0f) {  // the row sees no key: zeros, lse -inf
+      out_row.setZero();
+      if (logsumexp != nullptr)
+        logsumexp[i0 + r] = minus_inf;
+    } else {
+      out_row = Eigen::Map<const Eigen::RowVectorXf>(o + r * o_stride, value_dim) * (1.0f / l[r]);
+      if (logsumexp != nullptr)
+        logsumexp[i0 + r] = m[r] + std::log(l[r]);
+    }
+  }
+}
+
+}  // namespace attn::detail::avx512
+
+#else
+#define ATTN_HAS_AVX512_FLASH 0
+#endif  // __AVX512F__ && !ATTN_NO_AVX512
