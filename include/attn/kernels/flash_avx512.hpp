@@ -30,10 +30,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include <Eigen/Core>
 
@@ -47,13 +50,14 @@ inline constexpr Index lanes = 16;  // floats per __m512
 
 /// Scratch of one thread, sized once per call; rows are padded to whole vectors.
 struct FlashWorkspace {
-  Matrix<float> qt;        // (D, Bq')
-  Matrix<float> st;        // (Bk, Bq')
-  Matrix<float> o;         // (Bq', Dv)
-  Vector<float> m;         // (Bq')
-  Vector<float> l;         // (Bq')
-  Vector<float> alpha;     // (Bq')
-  Vector<float> tile_max;  // (Bq')
+  Matrix<float> qt;                          // (D, Bq')
+  Matrix<float> st;                          // (Bk, Bq')
+  Matrix<float> o;                           // (Bq', Dv)
+  Vector<float> m;                           // (Bq')
+  Vector<float> l;                           // (Bq')
+  Vector<float> alpha;                       // (Bq')
+  Vector<float> tile_max;                    // (Bq')
+  std::vector<std::int32_t> key_lo, key_hi;  // (Bq') visible keys of each query in a tile
 
   static Index padded(Index n) { return (n + lanes - 1) / lanes * lanes; }
 
@@ -66,6 +70,8 @@ struct FlashWorkspace {
     l.resize(width);
     alpha.resize(width);
     tile_max.resize(width);
+    key_lo.resize(static_cast<std::size_t>(width));
+    key_hi.resize(static_cast<std::size_t>(width));
   }
 };
 
@@ -267,6 +273,24 @@ inline void values_rows(Index rows, const float* pt, Index pt_stride, const floa
   }
 }
 
+/// st[j, r] = -inf for every key j outside [lo[r], hi[r]) (tile-relative): the causal
+/// limit, the window and the key length, 16 queries per vector.
+inline void hide_outside_intervals(float* st, Index st_stride, Index keys,  // (keys, width)
+                                   Index width, const std::int32_t* lo,
+                                   const std::int32_t* hi) {  // (width) each
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (Index c0 = 0; c0 < width; c0 += lanes) {
+    const __m512i first = _mm512_loadu_si512(lo + c0);
+    const __m512i last = _mm512_loadu_si512(hi + c0);
+    for (Index j = 0; j < keys; ++j) {
+      const __m512i key = _mm512_set1_epi32(static_cast<std::int32_t>(j));
+      const __mmask16 hidden = static_cast<__mmask16>(_mm512_cmplt_epi32_mask(key, first) |
+                                                      _mm512_cmpge_epi32_mask(key, last));
+      _mm512_mask_storeu_ps(st + j * st_stride + c0, hidden, minus_inf);
+    }
+  }
+}
+
 /// Column maxima of a (keys, 16) block of st, four chains so that the max latency overlaps.
 inline __m512 column_maxima(const float* st, Index st_stride, Index keys) {
   __m512 m[4];
@@ -385,10 +409,22 @@ inline void flash_attention_tile(const HeadMatrix<const float>& q,  // (Lq, D)
         }
       }
       if (masked) {
-        // (rows, cols) of scores seen as a column-major view of st
-        Eigen::Map<Eigen::MatrixXf, 0, Eigen::OuterStride<>> scores(st, rows, cols,
-                                                                    Eigen::OuterStride<>(stride));
-        mask.apply(b, h, i0, j0, scores);
+        // generic path: (rows, cols) of scores seen as a column-major view of st
+        if (mask.has_keep_mask() || mask.has_bias()) {
+          Eigen::Map<Eigen::MatrixXf, 0, Eigen::OuterStride<>> scores(st, rows, cols,
+                                                                      Eigen::OuterStride<>(stride));
+          mask.apply(b, h, i0, j0, scores);
+        } else {  // only intervals: vectorised (the diagonal tiles of a causal mask)
+          std::int32_t* lo = workspace.key_lo.data();
+          std::int32_t* hi = workspace.key_hi.data();
+          for (Index r = 0; r < width; ++r) {
+            const auto [first, last] =
+                r < rows ? mask.key_interval(b, i0 + r) : std::array<Index, 2>{j0, j1};
+            lo[r] = static_cast<std::int32_t>(std::clamp(first - j0, Index(0), cols));
+            hi[r] = static_cast<std::int32_t>(std::clamp(last - j0, Index(0), cols));
+          }
+          hide_outside_intervals(st, stride, cols, width, lo, hi);
+        }
         for (Index c0 = 0; c0 < width; c0 += lanes)
           _mm512_storeu_ps(tile_max + c0, column_maxima(st + c0, stride, cols));
       }
