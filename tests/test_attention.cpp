@@ -116,6 +116,9 @@ TEMPLATE_TEST_CASE("the one-head matrix overload matches the fixtures head by he
           options.scale = fx.options.scale;
           options.causal = fx.options.causal;
           options.window = fx.options.window;
+          options.softcap = fx.options.softcap;
+          if (!fx.options.alibi_slopes.empty())
+            options.alibi_slopes.assign(1, fx.options.alibi_slopes[std::size_t(h)]);
           if (!fx.options.key_lengths.empty())
             options.key_lengths.assign(1, fx.options.key_lengths[std::size_t(b)]);
           attn::Matrix<bool> keep;
@@ -249,6 +252,22 @@ TEST_CASE("scaled_dot_product_attention rejects inconsistent shapes and options"
   REQUIRE_THROWS_WITH(sdpa(q, k, v, options),
                       "scaled_dot_product_attention: keep_mask is [2, 1, 16, 8] but the scores "
                       "are [2, 8, 16, 16]: each dimension must be 1 or equal (broadcasting)");
+  options = {};
+  options.alibi_slopes = attn::alibi_slopes<float>(4);
+  REQUIRE_THROWS_WITH(sdpa(q, k, v, options),
+                      "scaled_dot_product_attention: alibi_slopes has 4 entries but there are 8 "
+                      "query heads");
+  options.alibi_slopes = attn::alibi_slopes<float>(8);
+  options.alibi_slopes[2] = std::numeric_limits<float>::quiet_NaN();
+  REQUIRE_THROWS_WITH(sdpa(q, k, v, options),
+                      "scaled_dot_product_attention: alibi_slopes[2] is nan: must be finite");
+  options = {};
+  for (const float cap : {0.0f, -1.0f, std::numeric_limits<float>::infinity()}) {
+    options.softcap = cap;
+    REQUIRE_THROWS_WITH(sdpa(q, k, v, options), "scaled_dot_product_attention: softcap is " +
+                                                    std::to_string(cap) +
+                                                    ": must be finite and > 0");
+  }
 
   // The strided entry point also checks its output view.
   attn::Tensor<float, 4> out(2, 8, 16, 64);
@@ -264,4 +283,17 @@ TEST_CASE("scaled_dot_product_attention rejects inconsistent shapes and options"
   REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention(a, b, b),
                       "scaled_dot_product_attention: q is [1, 1, 3, 4], k is [1, 1, 5, 3], v is "
                       "[1, 1, 5, 3]: q and k head dims differ");
+}
+
+TEST_CASE("alibi_slopes follows the ALiBi authors' schedule", "[attention]") {
+  const json& schedules = attn_test::fixture("sdpa.json").at("alibi_schedules");
+  for (Index heads = 1; heads <= 16; ++heads) {
+    INFO(heads << " heads");
+    const auto expected = schedules.at(std::to_string(heads)).get<std::vector<double>>();
+    const std::vector<double> slopes = attn::alibi_slopes<double>(heads);
+    REQUIRE(slopes.size() == expected.size());
+    for (std::size_t h = 0; h < slopes.size(); ++h)
+      CHECK(static_cast<float>(slopes[h]) == static_cast<float>(expected[h]));
+  }
+  REQUIRE_THROWS_WITH(attn::alibi_slopes<float>(0), "alibi_slopes: heads is 0: must be positive");
 }

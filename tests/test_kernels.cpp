@@ -121,13 +121,14 @@ std::string describe(const Problem& p) {
       "bias (1, H, Lq, Lk) with -inf",
       "causal bottom-right + window left 5 + key lengths + keep-mask (B, 1, 1, Lk) + bias",
       "causal top-left + window (4, -1) + bias (1, 1, Lq, Lk)",
+      "causal bottom-right + ALiBi + softcap 3",
   };
   return "B " + std::to_string(p.batch) + ", Hq " + std::to_string(p.q_heads) + ", Hkv " +
          std::to_string(p.kv_heads) + ", Lq " + std::to_string(p.q_length) + ", Lk " +
          std::to_string(p.k_length) + ", D " + std::to_string(p.dim) + ", Dv " +
          std::to_string(p.value_dim) + ", mask: " + kinds[p.mask_kind];
 }
-constexpr int mask_kinds = 10;
+constexpr int mask_kinds = 11;
 
 /// Runs `p` with kernel `algorithm` in scalar T on the given inputs (already rounded to T).
 template <class T>
@@ -174,6 +175,11 @@ std::vector<T> run(const Problem& p, const Heads<T>& q, const Heads<T>& k, const
     case 9:
       options.causal = attn::Causal::top_left;
       options.window = {4, -1};
+      break;
+    case 10:
+      options.causal = attn::Causal::bottom_right;
+      options.alibi_slopes = attn::alibi_slopes<T>(p.q_heads);
+      options.softcap = T(3);
       break;
     default:
       break;

@@ -64,6 +64,12 @@ struct AttentionOptions {
   std::vector<Index> key_lengths;  ///< (B) valid keys per batch entry; empty = all
   Broadcast<bool> keep_mask;       ///< broadcastable to (B, Hq, Lq, Lk); true = may attend
   Broadcast<T> bias;               ///< broadcastable to (B, Hq, Lq, Lk); added to scores
+  /// (Hq) ALiBi slopes, e.g. alibi_slopes<T>(Hq); empty = no ALiBi. Adds
+  /// -slope[h] * |i + offset - j| (attn/score_modifiers.hpp).
+  std::vector<T> alibi_slopes;
+  /// Logit soft-capping: scores become softcap * tanh(scores / softcap) before the ALiBi
+  /// term, the bias and the mask; must be > 0. Gemma 2 uses 50.
+  std::optional<T> softcap;
   Algorithm algorithm = Algorithm::automatic;
   /// Query rows per work item of chunked and flash; 0 = default_chunk_rows (chunked) or
   /// default_query_tile (flash).
@@ -167,7 +173,8 @@ void scaled_dot_product_attention_into(const HeadsView<const T>& q,  // (B, Hq, 
   }
   const T scale = detail::resolve_scale(function, options.scale, q.dim);
   const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options.causal, options.window,
-                     options.key_lengths, options.keep_mask, options.bias);
+                     options.key_lengths, options.keep_mask, options.bias, options.alibi_slopes,
+                     options.softcap);
 
   const Algorithm algorithm = detail::resolve_algorithm(function, options.algorithm,
                                                         weights != nullptr, q.length, k.length);

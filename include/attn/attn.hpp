@@ -8,5 +8,6 @@
 #include "attn/mask.hpp"
 #include "attn/multihead.hpp"
 #include "attn/projection.hpp"
+#include "attn/score_modifiers.hpp"
 #include "attn/softmax.hpp"
 #include "attn/tensor.hpp"

@@ -6,7 +6,8 @@
 //   window        (left, right), inclusive, -1 = unbounded (FlashAttention's convention);
 //   key lengths   per batch entry: keys j >= key_lengths[b] are padding;
 //   keep-mask     boolean, broadcastable to (B, H, Lq, Lk); true = may attend (PyTorch SDPA);
-//   bias          additive, broadcastable to (B, H, Lq, Lk); -inf hides a key.
+//   bias          additive, broadcastable to (B, H, Lq, Lk); -inf hides a key;
+//   ALiBi, softcap score modifiers (attn/score_modifiers.hpp), applied with the bias.
 //
 // Both the causal limit and the window are measured from the query's *diagonal*
 //   c(i) = i + offset,  offset = 0 for Causal::top_left, Lk - Lq otherwise,
@@ -19,12 +20,15 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "attn/config.hpp"
+#include "attn/score_modifiers.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn {
@@ -90,7 +94,8 @@ class Mask {
   /// Validates every part against (B, H, Lq, Lk); `function` names the caller in errors.
   Mask(const char* function, Index batch, Index heads, Index q_length, Index k_length,
        Causal causal, Window window, const std::vector<Index>& key_lengths,
-       Broadcast<bool> keep_mask, Broadcast<T> bias)
+       Broadcast<bool> keep_mask, Broadcast<T> bias, const std::vector<T>& alibi_slopes = {},
+       std::optional<T> softcap = std::nullopt)
       : batch_(batch),
         heads_(heads),
         q_length_(q_length),
@@ -99,7 +104,25 @@ class Mask {
         window_(window),
         key_lengths_(key_lengths),
         keep_mask_(keep_mask),
-        bias_(bias) {
+        bias_(bias),
+        alibi_slopes_(alibi_slopes),
+        softcap_(softcap) {
+    if (!alibi_slopes.empty() && static_cast<Index>(alibi_slopes.size()) != heads) {
+      detail::throw_invalid_argument(
+          function, "alibi_slopes has " + std::to_string(alibi_slopes.size()) +
+                        " entries but there are " + std::to_string(heads) + " query heads");
+    }
+    for (std::size_t h = 0; h < alibi_slopes.size(); ++h) {
+      if (!std::isfinite(alibi_slopes[h])) {
+        detail::throw_invalid_argument(function, "alibi_slopes[" + std::to_string(h) + "] is " +
+                                                     std::to_string(alibi_slopes[h]) +
+                                                     ": must be finite");
+      }
+    }
+    if (softcap && !(std::isfinite(*softcap) && *softcap > T(0))) {
+      detail::throw_invalid_argument(
+          function, "softcap is " + std::to_string(*softcap) + ": must be finite and > 0");
+    }
     if (window.left < -1 || window.right < -1) {
       detail::throw_invalid_argument(function, "window is (" + std::to_string(window.left) + ", " +
                                                    std::to_string(window.right) +
@@ -127,10 +150,12 @@ class Mask {
 
   bool has_keep_mask() const { return !keep_mask_.empty(); }
   bool has_bias() const { return !bias_.empty(); }
-  /// True when nothing is masked and nothing is added: every key is visible.
+  /// True when the scores of visible keys change: a bias, ALiBi or soft-capping.
+  bool modifies_scores() const { return has_bias() || !alibi_slopes_.empty() || softcap_; }
+  /// True when nothing is masked and nothing is changed: every key is visible.
   bool is_trivial() const {
     return causal_ == Causal::none && window_.left < 0 && window_.right < 0 &&
-           key_lengths_.empty() && !has_keep_mask() && !has_bias();
+           key_lengths_.empty() && !has_keep_mask() && !modifies_scores();
   }
 
   /// First and one-past-last key visible to query i of batch b by the causal limit, the
@@ -198,8 +223,8 @@ class Mask {
   }
 
   /// Applies the mask to a block of scores for queries [i0, i0 + rows) and keys
-  /// [j0, j0 + cols) of batch b, head h: hidden entries become -inf, the bias is added to
-  /// the others. NaN scores of visible keys stay NaN.
+  /// [j0, j0 + cols) of batch b, head h: hidden entries become -inf; the others are
+  /// soft-capped, then get the ALiBi term and the bias. NaN scores of visible keys stay NaN.
   template <class Derived>
   void apply(Index b, Index h, Index i0, Index j0, Eigen::MatrixBase<Derived>& scores) const {
     constexpr T minus_inf = -std::numeric_limits<T>::infinity();
@@ -212,6 +237,17 @@ class Mask {
         scores(r, c) = minus_inf;
       for (Index c = hi; c < scores.cols(); ++c)
         scores(r, c) = minus_inf;
+      if (softcap_) {
+        const T cap = *softcap_, inverse = T(1) / *softcap_;
+        for (Index c = lo; c < hi; ++c)
+          scores(r, c) = cap * std::tanh(scores(r, c) * inverse);
+      }
+      if (!alibi_slopes_.empty()) {
+        const T slope = alibi_slopes_[static_cast<std::size_t>(h)];
+        const Index diagonal = i + offset_;
+        for (Index c = lo; c < hi; ++c)
+          scores(r, c) -= slope * static_cast<T>(std::abs(diagonal - (j0 + c)));
+      }
       if (has_keep_mask()) {
         for (Index c = lo; c < hi; ++c) {
           if (!keep(b, h, i, j0 + c))
@@ -260,6 +296,8 @@ class Mask {
   std::vector<Index> key_lengths_;
   Broadcast<bool> keep_mask_;
   Broadcast<T> bias_;
+  std::vector<T> alibi_slopes_;  // (H) or empty
+  std::optional<T> softcap_;
   std::array<Index, 4> keep_strides_{}, bias_strides_{};
   Index offset_ = 0;
 };

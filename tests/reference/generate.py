@@ -72,7 +72,11 @@ sdpa.json
                    (B, Hq, Lq, Lk), or null
       bias         float tensor of rank 4 broadcastable the same way (may hold
                    "-inf"), or null
+      alibi_slopes list of Hq numbers (ALiBi), or null
+      softcap      number > 0 (logit soft-capping), or null
       out (B, Hq, Lq, Dv), weights (B, Hq, Lq, Lk), lse (B, Hq, Lq)
+    and {"alibi_schedules": {"n": [slopes]}} gives the standard ALiBi slope
+    schedule for n = 1..16 heads (Press et al., the authors' get_slopes).
 
 Semantics implemented for sdpa.json
 -----------------------------------
@@ -88,7 +92,9 @@ Semantics implemented for sdpa.json
         keep_mask[b, h, i, j] is true           (broadcast; if given)
   * GQA / MQA: query head h reads kv head h // (Hq // Hkv)
     (torch.repeat_interleave on the head dimension).
-  * s[i, j] = scale * (q_i . k_j) + bias[b, h, i, j] (broadcast; if given)
+  * s[i, j] = cap * tanh(scale * (q_i . k_j) / cap)   (softcap; else no tanh)
+              - alibi_slopes[h] * |c - j|              (if alibi_slopes given)
+              + bias[b, h, i, j]                       (broadcast; if given)
     for visible j. Hidden j are excluded (masked_fill(-inf) before softmax).
   * If a row has no visible key, or all its visible scores are -inf:
     weights row = 0, out row = 0, lse = "-inf".
@@ -289,7 +295,17 @@ def visibility_torch(B, Hq, Lq, Lk, causal, window, key_lengths, keep_mask):
     return vis
 
 
-def sdpa_torch(q, k, v, scale, causal, window, key_lengths, keep_mask, bias):
+def alibi_torch(slopes, Hq, Lq, Lk, causal):
+    """The explicit ALiBi bias tensor (1, Hq, Lq, Lk): -slope[h] * |i + off - j|."""
+    off = 0 if causal == "top_left" else Lk - Lq
+    i = torch.arange(Lq, dtype=torch.float64).view(Lq, 1)
+    j = torch.arange(Lk, dtype=torch.float64).view(1, Lk)
+    distance = (i + off - j).abs()
+    return -torch.tensor(slopes, dtype=torch.float64).view(1, Hq, 1, 1) * distance
+
+
+def sdpa_torch(q, k, v, scale, causal, window, key_lengths, keep_mask, bias,
+               alibi_slopes=None, softcap=None):
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -298,6 +314,10 @@ def sdpa_torch(q, k, v, scale, causal, window, key_lengths, keep_mask, bias):
     vt = torch.from_numpy(v).repeat_interleave(group, dim=1)
     sc = (1.0 / math.sqrt(D)) if scale is None else scale
     s = torch.matmul(qt, kt.transpose(-1, -2)) * sc
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        s = s + alibi_torch(alibi_slopes, Hq, Lq, Lk, causal)
     if bias is not None:
         s = s + torch.from_numpy(bias)
     vis = visibility_torch(B, Hq, Lq, Lk, causal, window, key_lengths, keep_mask)
@@ -339,7 +359,8 @@ def key_visible(b, h, i, j, Lq, Lk, causal, window, key_lengths, keep_mask):
     return True
 
 
-def sdpa_loops(q, k, v, scale, causal, window, key_lengths, keep_mask, bias):
+def sdpa_loops(q, k, v, scale, causal, window, key_lengths, keep_mask, bias,
+               alibi_slopes=None, softcap=None):
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     per_kv = Hq // Hkv
@@ -357,6 +378,11 @@ def sdpa_loops(q, k, v, scale, causal, window, key_lengths, keep_mask, bias):
                                        key_lengths, keep_mask):
                         continue
                     sij = sc * math.fsum(q[b, h, i, d] * k[b, g, j, d] for d in range(D))
+                    if softcap is not None:
+                        sij = softcap * math.tanh(sij / softcap)
+                    if alibi_slopes is not None:
+                        off = 0 if causal == "top_left" else Lk - Lq
+                        sij -= alibi_slopes[h] * abs(i + off - j)
                     if bias is not None:
                         sij += bias[bcast_index(bias.shape, b, h, i, j)]
                     if sij == -math.inf:
@@ -403,7 +429,8 @@ def torch_private_sdpa(q, k, v, scale, D, group, mask=None, is_causal=False):
 
 def add_case(name, B, Hq, Hkv, Lq, Lk, D, Dv, scale=None, causal="none",
              window=(-1, -1), key_lengths=None, keep_mask=None, bias=None,
-             qkv=None, expect_empty=False, same_as=None):
+             qkv=None, expect_empty=False, same_as=None, alibi_slopes=None,
+             softcap=None):
     """Build, verify and record one sdpa case.
 
     keep_mask / bias may be callables taking the case's rng. qkv may be a
@@ -446,11 +473,18 @@ def add_case(name, B, Hq, Hkv, Lq, Lk, D, Dv, scale=None, causal="none",
     if bias is not None:
         assert_f32_exact(bias, name + " bias")
 
+    if alibi_slopes is not None:
+        alibi_slopes = [float(np.float32(x)) for x in alibi_slopes]
+        assert len(alibi_slopes) == Hq
+    if softcap is not None:
+        softcap = float(np.float32(softcap))
+        assert softcap > 0
+    modified = alibi_slopes is not None or softcap is not None
     args = (scale, causal, window, key_lengths, keep_mask, bias)
-    out, w, lse, vis = sdpa_torch(q, k, v, *args)
+    out, w, lse, vis = sdpa_torch(q, k, v, *args, alibi_slopes, softcap)
 
     # --- independent NumPy loop implementation
-    out2, w2, lse2 = sdpa_loops(q, k, v, *args)
+    out2, w2, lse2 = sdpa_loops(q, k, v, *args, alibi_slopes, softcap)
     assert close(out, out2), name + ": out differs from loop reference"
     assert close(w, w2), name + ": weights differ from loop reference"
     assert close(lse, lse2), name + ": lse differs from loop reference"
@@ -470,9 +504,10 @@ def add_case(name, B, Hq, Hkv, Lq, Lk, D, Dv, scale=None, causal="none",
     # --- torch cross-checks
     group = Hq // Hkv
     plain_like = (key_lengths is None and keep_mask is None and bias is None
-                  and window == [-1, -1] and causal in ("none", "top_left"))
+                  and window == [-1, -1] and causal in ("none", "top_left") and not modified)
     if plain_like or (causal == "bottom_right" and Lq == Lk and key_lengths is None
-                      and keep_mask is None and bias is None and window == [-1, -1]):
+                      and keep_mask is None and bias is None and window == [-1, -1]
+                      and not modified):
         # hand-written formula: softmax(q k^T * scale + triu(-inf))
         sc = (1.0 / math.sqrt(D)) if scale is None else scale
         kt = torch.from_numpy(k).repeat_interleave(group, dim=1)
@@ -488,7 +523,15 @@ def add_case(name, B, Hq, Hkv, Lq, Lk, D, Dv, scale=None, causal="none",
             o4, w4 = torch_private_sdpa(q, k, v, scale, D, group,
                                         is_causal=(causal != "none"))
             assert close(out, o4) and close(w, w4), name + ": private sdpa causal"
-    if _HAS_PRIVATE_SDPA and bias is None:
+    if modified and softcap is None:
+        # ALiBi is exactly an additive bias: the same case with the explicit tensor.
+        explicit = alibi_torch(alibi_slopes, Hq, Lq, Lk, causal).numpy()
+        if bias is not None:
+            explicit = explicit + bias
+        o7, w7, l7, _ = sdpa_torch(q, k, v, scale, causal, window, key_lengths, keep_mask,
+                                   explicit)
+        assert close(out, o7) and close(w, w7) and close(lse, l7), name + ": alibi as bias"
+    if _HAS_PRIVATE_SDPA and bias is None and not modified:
         o5, w5 = torch_private_sdpa(q, k, v, scale, D, group, mask=vis)
         assert close(out[valid], o5[valid]), name + ": private sdpa (mask) out"
         assert close(w[valid], w5[valid]), name + ": private sdpa (mask) weights"
@@ -512,10 +555,25 @@ def add_case(name, B, Hq, Hkv, Lq, Lk, D, Dv, scale=None, causal="none",
         "key_lengths": key_lengths,
         "keep_mask": None if keep_mask is None else tensor(keep_mask),
         "bias": None if bias is None else tensor(bias),
+        "alibi_slopes": alibi_slopes,
+        "softcap": softcap,
         "out": tensor(out), "weights": tensor(w), "lse": tensor(lse),
         "_summary": "B=%d Hq=%d Hkv=%d Lq=%d Lk=%d D=%d Dv=%d empty_rows=%d" % (
             B, Hq, Hkv, Lq, Lk, D, Dv, n_empty),
     })
+
+
+def alibi_schedule(n):
+    """The ALiBi authors' slope schedule (get_slopes in ofirpress/attention_with_linear_biases):
+    a geometric sequence starting at 2^(-8/n) for n a power of two; otherwise the schedule of
+    the power of two below n, then every other slope of the one above."""
+    def power_of_two(m):
+        start = 2.0 ** (-(2.0 ** -(math.log2(m) - 3)))
+        return [start * start ** i for i in range(m)]
+    if math.log2(n).is_integer():
+        return power_of_two(n)
+    closest = 2 ** math.floor(math.log2(n))
+    return power_of_two(closest) + alibi_schedule(2 * closest)[0::2][:n - closest]
 
 
 def large_logit_qkv(sign):
@@ -693,10 +751,31 @@ def build_sdpa():
     add_case("decode_lq1_lk9_window_l3_r0", 1, 1, 1, 1, 9, 6, 6, window=(3, 0))
     add_case("decode_lq1_lk9_plain", 1, 1, 1, 1, 9, 6, 6)
 
+    # --- score modifiers: ALiBi and logit soft-capping
+    add_case("alibi_h4_lq9_lk9", 1, 4, 4, 9, 9, 8, 8, alibi_slopes=alibi_schedule(4))
+    add_case("alibi_causal_top_left_lq5_lk9", 2, 4, 4, 5, 9, 8, 6, causal="top_left",
+             alibi_slopes=alibi_schedule(4))
+    add_case("alibi_causal_bottom_right_lq5_lk9", 2, 4, 4, 5, 9, 8, 6,
+             causal="bottom_right", alibi_slopes=alibi_schedule(4))
+    add_case("alibi_gqa_h6_kv2_window_lq7_lk12", 1, 6, 2, 7, 12, 8, 8, window=(4, 2),
+             alibi_slopes=alibi_schedule(6))
+    add_case("softcap_5_large_logits_lq6_lk10", 1, 2, 2, 6, 10, 8, 8, scale=1.0,
+             softcap=5.0, qkv=lambda rng: (3 * rng.standard_normal((1, 2, 6, 8)),
+                                           3 * rng.standard_normal((1, 2, 10, 8)),
+                                           rng.standard_normal((1, 2, 10, 8))))
+    add_case("softcap_alibi_bias_causal_bottom_right_key_lengths", 2, 4, 2, 6, 11, 8, 8,
+             causal="bottom_right", key_lengths=[11, 7], softcap=2.5,
+             alibi_slopes=alibi_schedule(4),
+             bias=lambda rng: rng.standard_normal((1, 4, 6, 11)))
+    add_case("softcap_with_minus_inf_bias", 1, 1, 1, 4, 6, 8, 8, softcap=30.0,
+             bias=lambda rng: np.where(rng.random((1, 1, 4, 6)) < 0.3, -np.inf, 0.0))
+
     summaries = []
     for c in CASES:
         summaries.append((c["name"], c.pop("_summary")))
-    return {"cases": CASES}, summaries
+    schedules = {str(n): [float(np.float32(x)) for x in alibi_schedule(n)]
+                 for n in range(1, 17)}
+    return {"cases": CASES, "alibi_schedules": schedules}, summaries
 
 
 # ---------------------------------------------------------------------------

@@ -43,6 +43,12 @@ struct SdpaCase {
       bias = tensor<T, 4>(c.at("bias"));
       options.bias = bias;
     }
+    if (c.contains("alibi_slopes") && !c.at("alibi_slopes").is_null()) {
+      for (const double slope : c.at("alibi_slopes").get<std::vector<double>>())
+        options.alibi_slopes.push_back(static_cast<T>(slope));
+    }
+    if (c.contains("softcap") && !c.at("softcap").is_null())
+      options.softcap = static_cast<T>(c.at("softcap").get<double>());
     out = values<double>(c.at("out"));
     weights = values<double>(c.at("weights"));
     lse = values<double>(c.at("lse"));

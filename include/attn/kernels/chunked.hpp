@@ -52,7 +52,7 @@ void chunked_attention_block(const HeadMatrix<const T>& q,  // (Lq, D)
   Eigen::Map<Matrix<T>> s(workspace.data(), rows, cols);
 
   s.noalias() = scale * (q.middleRows(i0, rows) * k.middleRows(first, cols).transpose());  // 1
-  if (visibility == TileVisibility::partial || mask.has_bias())
+  if (visibility == TileVisibility::partial || mask.modifies_scores())
     mask.apply(b, h, i0, first, s);   // 2
   for (Index r = 0; r < rows; ++r) {  // pass 3
     const T lse = softmax_in_place(s.row(r).data(), cols);

@@ -93,7 +93,7 @@ void flash_attention_tile(const HeadMatrix<const T>& q,  // (Lq, D)
       Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> s(workspace.s.data(), rows, cols,
                                                        Eigen::OuterStride<>(s_stride));
       s.noalias() = q_tile * k.middleRows(j0, cols).transpose();
-      if (visibility == TileVisibility::partial || mask.has_bias())
+      if (visibility == TileVisibility::partial || mask.modifies_scores())
         mask.apply(b, h, i0, j0, s);
 
       for (Index r = 0; r < rows; ++r) {

@@ -391,7 +391,7 @@ inline void flash_attention_tile(const HeadMatrix<const float>& q,  // (Lq, D)
       const TileVisibility visibility = mask.classify(b, h, i0, i1, j0, j1);
       if (visibility == TileVisibility::hidden)
         continue;
-      const bool masked = visibility == TileVisibility::partial || mask.has_bias();
+      const bool masked = visibility == TileVisibility::partial || mask.modifies_scores();
 
       std::fill_n(tile_max, width, minus_inf);
       for (Index j = 0; j < cols; j += score_rows) {
@@ -410,7 +410,7 @@ inline void flash_attention_tile(const HeadMatrix<const float>& q,  // (Lq, D)
       }
       if (masked) {
         // generic path: (rows, cols) of scores seen as a column-major view of st
-        if (mask.has_keep_mask() || mask.has_bias()) {
+        if (mask.has_keep_mask() || mask.modifies_scores()) {
           Eigen::Map<Eigen::MatrixXf, 0, Eigen::OuterStride<>> scores(st, rows, cols,
                                                                       Eigen::OuterStride<>(stride));
           mask.apply(b, h, i0, j0, scores);
