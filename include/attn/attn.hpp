@@ -10,3 +10,4 @@
 #include "attn/projection.hpp"
 #include "attn/softmax.hpp"
 #include "attn/tensor.hpp"
+#include "attn/viz.hpp"
