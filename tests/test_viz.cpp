@@ -3,6 +3,7 @@
 // maps are checked; every error path by its exact message.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -438,6 +439,34 @@ TEST_CASE("thresholds: values up to annotate_limit, one rect per cell up to cell
     CHECK(by_class(svg.root(), "query-label").size() <= 32);
     CHECK(texts(by_class(svg.root(), "key-label")).at(0) == "0");
   }
+}
+
+TEST_CASE("heads grid: cell_limit counts the cells of all panels together", "[viz]") {
+  attn::Tensor<float, 4> w(1, 2, 100, 100);  // 2 x 100 x 100 = 20000 > 128^2 cells
+  w.setConstant(0.01f);
+  const Svg svg(attn::attention_heads_svg(w, 0));
+  CHECK(by_class(svg.root(), "cell").empty());
+  const auto panels = by_class(svg.root(), "panel");
+  REQUIRE(panels.size() == 2);
+  for (const auto* panel : panels) {
+    const std::vector<int> counts = run_coverage(panel, 100, 100);
+    CHECK(std::count(counts.begin(), counts.end(), 1) == 100 * 100);
+  }
+  // One head of the same size stays one rect per cell.
+  const attn::Matrix<float> one = attn::Matrix<float>::Constant(100, 100, 0.01f);
+  CHECK(by_class(Svg(attn::attention_heatmap_svg(one)).root(), "cell").size() == 10000);
+}
+
+TEST_CASE("any Eigen dense expression: arrays, maps, blocks", "[viz]") {
+  const attn::Matrix<double> w = tutorial_like_weights();
+  const std::string expected = attn::attention_heatmap_svg(w);
+  const Eigen::ArrayXXd array = w.array();  // column-major array
+  CHECK(attn::attention_heatmap_svg(array) == expected);
+  const Eigen::Map<const attn::Matrix<double>> map(w.data(), 3, 3);
+  CHECK(attn::attention_heatmap_svg(map) == expected);
+  attn::Matrix<double> bigger = attn::Matrix<double>::Zero(5, 5);
+  bigger.block(1, 1, 3, 3) = w;
+  CHECK(attn::attention_heatmap_svg(bigger.block(1, 1, 3, 3)) == expected);
 }
 
 TEST_CASE("L = 512: merged runs cover every cell once, no per-cell text, size bounded", "[viz]") {

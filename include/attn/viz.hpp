@@ -16,12 +16,13 @@
 // drawn hatched and carry no value; NaN cells are drawn red with the text "NaN".
 //
 // What the SVG contains, so that tools and tests can find it (every element has a class):
-//   Lq, Lk <= cell_limit: one <rect class="cell"> per cell in row-major order ("cell hidden",
+//   Lq, Lk <= cell_limit (and at most cell_limit^2 cells in all panels together): one
+//     <rect class="cell"> per cell in row-major order ("cell hidden",
 //     "cell nan" for hidden and NaN cells), and when Lq, Lk <= annotate_limit one
 //     <text class="value"> per visible cell, in the same order;
 //   larger: the cells of a row are merged into runs of equal colour (the scale quantised to
 //     64 levels) and drawn as one stroked <path class="cells"> per colour, which keeps
-//     L = 512 near 1 MB (see tests/test_viz.cpp), and no per-cell text;
+//     L = 512 under 2 MB even for noise (see tests/test_viz.cpp), and no per-cell text;
 //   <text class="query-label"> / "key-label" ticks (thinned to at most max_ticks per axis),
 //   "axis-label", "title", "panel-title", and a <g class="colorbar">.
 // Output is deterministic and locale-independent (std::to_chars).
@@ -76,9 +77,11 @@ struct HeatmapOptions {
   Index cell_size = 56;       ///< largest cell side
   Index max_plot_size = 720;  ///< cells shrink (to >= 1 px) so a panel's longer side fits
   Index annotate_limit = 32;  ///< print values only when Lq, Lk <= this (and they fit)
-  Index cell_limit = 128;     ///< one <rect> per cell when Lq, Lk <= this, else merged runs
-  Index max_ticks = 32;       ///< at most this many tick labels per axis (0 = none)
-  Index columns = 0;          ///< heads grid: panels per row; 0 = ceil(sqrt(H))
+  /// One <rect> per cell when Lq, Lk <= this and all panels have <= cell_limit^2 cells in
+  /// total; else each row's cells are merged into runs of equal colour (64 levels).
+  Index cell_limit = 128;
+  Index max_ticks = 32;                   ///< at most this many tick labels per axis (0 = none)
+  Index columns = 0;                      ///< heads grid: panels per row; 0 = ceil(sqrt(H))
   std::vector<std::string> panel_titles;  ///< heads grid: H titles; empty = "head 0", ...
 };
 
@@ -379,7 +382,11 @@ inline std::string render(const Figure& figure, const HeatmapOptions& o) {
   const double cs = static_cast<double>(cell);
   const double plot_w = cs * static_cast<double>(k_length);
   const double plot_h = cs * static_cast<double>(q_length);
-  const bool per_cell = longest <= o.cell_limit;
+  const auto panel_count = static_cast<Index>(figure.panels.size());
+  // One <rect> per cell only while a panel is small and all panels together have at most
+  // cell_limit^2 cells (12 heads of 128 x 128 would be 17 MB).
+  const bool per_cell =
+      longest <= o.cell_limit && panel_count * q_length * k_length <= o.cell_limit * o.cell_limit;
   const std::vector<std::string> q_labels = labels_or_indices(o.query_labels, q_length);
   const std::vector<std::string> k_labels = labels_or_indices(o.key_labels, k_length);
 
@@ -425,7 +432,6 @@ inline std::string render(const Figure& figure, const HeatmapOptions& o) {
   const double panel_w = plot_x + plot_w + 4;
   const double panel_h = plot_y + plot_h + k_ticks_h + x_axis_h;
 
-  const auto panel_count = static_cast<Index>(figure.panels.size());
   const Index columns = std::min(figure.columns, panel_count);
   const Index rows = ceil_div(panel_count, columns);
   const double title_h = o.title.empty() ? 0 : title_font + 14;
