@@ -68,7 +68,7 @@ int main() {
     bool finite = true;
     for (std::size_t x = 0; x < static_cast<std::size_t>(length * dim); ++x)
       finite = finite && std::isfinite(out[x]);
-    const double lf = static_cast<double>(length);
+    const auto lf = static_cast<double>(length);
     const double flops = 4.0 * lf * (lf + 1) / 2 * static_cast<double>(dim);  // visible pairs
     const double naive_gib = lf * lf * 4.0 / (1024.0 * 1024.0 * 1024.0);
     std::printf("%8ld %7.2f s %9.1f %15.2f MiB %19.1f GiB\n", static_cast<long>(length), seconds,

@@ -70,6 +70,7 @@ std::vector<const tinyxml2::XMLElement*> by_class(const tinyxml2::XMLElement* e,
 
 std::vector<std::string> texts(const std::vector<const tinyxml2::XMLElement*>& elements) {
   std::vector<std::string> out;
+  out.reserve(elements.size());
   for (const tinyxml2::XMLElement* e : elements)
     out.emplace_back(e->GetText() != nullptr ? e->GetText() : "");
   return out;
@@ -450,7 +451,7 @@ TEST_CASE("heads grid: cell_limit counts the cells of all panels together", "[vi
   REQUIRE(panels.size() == 2);
   for (const auto* panel : panels) {
     const std::vector<int> counts = run_coverage(panel, 100, 100);
-    CHECK(std::count(counts.begin(), counts.end(), 1) == 100 * 100);
+    CHECK(std::count(counts.begin(), counts.end(), 1) == 10000);
   }
   // One head of the same size stays one rect per cell.
   const attn::Matrix<float> one = attn::Matrix<float>::Constant(100, 100, 0.01f);
@@ -495,8 +496,8 @@ TEST_CASE("L = 512: merged runs cover every cell once, no per-cell text, size bo
   // Sizes when this test was written: 1,885,459 bytes (noise), 74,608 bytes (causal).
   INFO("L = 512 SVG sizes: uniform noise " << noise_svg.size() << " bytes, causal softmax "
                                            << causal_svg.size() << " bytes");
-  CHECK(noise_svg.size() < 3u * 1024 * 1024);
-  CHECK(causal_svg.size() < 256u * 1024);
+  CHECK(noise_svg.size() < std::size_t{3} * 1024 * 1024);
+  CHECK(causal_svg.size() < std::size_t{256} * 1024);
 
   for (const std::string* text : {&noise_svg, &causal_svg}) {
     const Svg svg(*text);

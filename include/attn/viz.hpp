@@ -98,8 +98,8 @@ inline std::array<std::uint8_t, 3> colormap_rgb(ColorMap map, double t) {
   std::array<std::uint8_t, 3> rgb{};
   for (std::size_t c = 0; c < 3; ++c) {
     const auto shift = static_cast<unsigned>(16 - 8 * c);
-    const double a = static_cast<double>((anchors[segment] >> shift) & 0xffU);
-    const double b = static_cast<double>((anchors[segment + 1] >> shift) & 0xffU);
+    const auto a = static_cast<double>((anchors[segment] >> shift) & 0xffU);
+    const auto b = static_cast<double>((anchors[segment + 1] >> shift) & 0xffU);
     rgb[c] = static_cast<std::uint8_t>(std::lround(a + (b - a) * f));
   }
   return rgb;
@@ -134,8 +134,7 @@ inline Matrix<bool> visibility_matrix(Index q_length, Index k_length, Causal cau
   return visible;
 }
 
-namespace detail {
-namespace viz {
+namespace detail::viz {
 
 constexpr double tick_font = 11;
 constexpr double axis_font = 12;
@@ -280,7 +279,8 @@ inline std::vector<std::string> labels_or_indices(const std::vector<std::string>
 inline std::string shortest(double value) {
   std::array<char, 32> buffer{};
   const auto result = std::to_chars(buffer.data(), buffer.data() + buffer.size(), value);
-  return std::string(buffer.data(), result.ptr);
+  std::string text(buffer.data(), result.ptr);
+  return text;
 }
 
 /// Checks the options against weights of (Lq, Lk) = (q_length, k_length); `shape` is the
@@ -379,7 +379,7 @@ inline std::string render(const Figure& figure, const HeatmapOptions& o) {
   // Geometry of one panel.
   const Index longest = std::max(q_length, k_length);
   const Index cell = std::min(o.cell_size, std::max(Index(1), o.max_plot_size / longest));
-  const double cs = static_cast<double>(cell);
+  const auto cs = static_cast<double>(cell);
   const double plot_w = cs * static_cast<double>(k_length);
   const double plot_h = cs * static_cast<double>(q_length);
   const auto panel_count = static_cast<Index>(figure.panels.size());
@@ -410,7 +410,7 @@ inline std::string render(const Figure& figure, const HeatmapOptions& o) {
   }
 
   // Ticks: every step-th token, at most max_ticks, at least a line apart.
-  const Index min_pitch = static_cast<Index>(std::ceil(tick_font * 1.2 / cs));
+  const auto min_pitch = static_cast<Index>(std::ceil(tick_font * 1.2 / cs));
   const auto tick_step = [&](Index n) {
     return o.max_ticks == 0 ? n + 1 : std::max({Index(1), ceil_div(n, o.max_ticks), min_pitch});
   };
@@ -475,40 +475,40 @@ inline std::string render(const Figure& figure, const HeatmapOptions& o) {
   const auto num = [&](double v) { append_number(svg, v); };
   const auto text = [&](const std::string& s) { append_escaped(svg, s); };
 
-  svg += "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg xmlns=\"http://www.w3.org/2000/svg\" ";
-  svg += "width=\"";
+  svg += "<?xml version='1.0' encoding='UTF-8'?>\n<svg xmlns='http://www.w3.org/2000/svg' ";
+  svg += "width='";
   num(width);
-  svg += "\" height=\"";
+  svg += "' height='";
   num(height);
-  svg += "\" viewBox=\"0 0 ";
+  svg += "' viewBox='0 0 ";
   num(width);
   svg += ' ';
   num(height);
-  svg += "\" font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\">\n<title>";
+  svg += "' font-family='DejaVu Sans, Helvetica, Arial, sans-serif'>\n<title>";
   text(o.title.empty() ? std::string("attention heatmap") : o.title);
   svg +=
-      "</title>\n<defs><pattern id=\"attn-hidden\" width=\"6\" height=\"6\" "
-      "patternUnits=\"userSpaceOnUse\" patternTransform=\"rotate(45)\"><rect width=\"6\" "
-      "height=\"6\" fill=\"#f4f4f4\"/><rect width=\"1.5\" height=\"6\" "
-      "fill=\"#b0b0b0\"/></pattern>\n<linearGradient id=\"attn-colorbar\" x1=\"0\" y1=\"1\" "
-      "x2=\"0\" y2=\"0\">";
+      "</title>\n<defs><pattern id='attn-hidden' width='6' height='6' "
+      "patternUnits='userSpaceOnUse' patternTransform='rotate(45)'><rect width='6' "
+      "height='6' fill='#f4f4f4'/><rect width='1.5' height='6' "
+      "fill='#b0b0b0'/></pattern>\n<linearGradient id='attn-colorbar' x1='0' y1='1' "
+      "x2='0' y2='0'>";
   for (int s = 0; s <= 8; ++s) {
-    svg += "<stop offset=\"";
+    svg += "<stop offset='";
     num(12.5 * s);
-    svg += "%\" stop-color=\"";
+    svg += "%' stop-color='";
     append_hex(svg, colormap_rgb(o.color_map, s / 8.0));
-    svg += "\"/>";
+    svg += "'/>";
   }
-  svg += "</linearGradient></defs>\n<rect class=\"background\" width=\"100%\" height=\"100%\" ";
-  svg += "fill=\"#ffffff\"/>\n";
+  svg += "</linearGradient></defs>\n<rect class='background' width='100%' height='100%' ";
+  svg += "fill='#ffffff'/>\n";
   if (!o.title.empty()) {
-    svg += "<text class=\"title\" x=\"";
+    svg += "<text class='title' x='";
     num(grid ? margin + panels_w / 2 : margin + plot_x + plot_w / 2);
-    svg += "\" y=\"";
+    svg += "' y='";
     num(margin + title_font);
-    svg += "\" font-size=\"";
+    svg += "' font-size='";
     num(title_font);
-    svg += "\" text-anchor=\"middle\">";
+    svg += "' text-anchor='middle'>";
     text(o.title);
     svg += "</text>\n";
   }
@@ -516,58 +516,59 @@ inline std::string render(const Figure& figure, const HeatmapOptions& o) {
   std::vector<std::string> runs;  // merged-run encoding: one path per colour level
   for (Index p = 0; p < panel_count; ++p) {
     const Matrix<double>& values = figure.panels[static_cast<std::size_t>(p)];
-    const double px = margin + static_cast<double>(p % columns) * (panel_w + panel_gap);
-    const double py = margin + title_h + static_cast<double>(p / columns) * (panel_h + panel_gap);
-    svg += "<g class=\"panel\" transform=\"translate(";
+    const Index grid_row = p / columns, grid_column = p % columns;
+    const double px = margin + static_cast<double>(grid_column) * (panel_w + panel_gap);
+    const double py = margin + title_h + static_cast<double>(grid_row) * (panel_h + panel_gap);
+    svg += "<g class='panel' transform='translate(";
     num(px);
     svg += ' ';
     num(py);
-    svg += ")\">\n";
+    svg += ")'>\n";
     if (grid) {
-      svg += "<text class=\"panel-title\" x=\"";
+      svg += "<text class='panel-title' x='";
       num(plot_x + plot_w / 2);
-      svg += "\" y=\"";
+      svg += "' y='";
       num(panel_title_font);
-      svg += "\" font-size=\"";
+      svg += "' font-size='";
       num(panel_title_font);
-      svg += "\" text-anchor=\"middle\">";
+      svg += "' text-anchor='middle'>";
       text(figure.panel_titles[static_cast<std::size_t>(p)]);
       svg += "</text>\n";
     }
 
     if (per_cell) {
-      svg += "<g class=\"cells\">\n";
+      svg += "<g class='cells'>\n";
       for (Index i = 0; i < q_length; ++i) {
         for (Index j = 0; j < k_length; ++j) {
           const double v = values(i, j);
-          svg += "<rect class=\"cell";
+          svg += "<rect class='cell";
           if (!visible(i, j))
             svg += " hidden";
           else if (std::isnan(v))
             svg += " nan";
-          svg += "\" x=\"";
+          svg += "' x='";
           num(plot_x + cs * static_cast<double>(j));
-          svg += "\" y=\"";
+          svg += "' y='";
           num(plot_y + cs * static_cast<double>(i));
-          svg += "\" width=\"";
+          svg += "' width='";
           num(cs);
-          svg += "\" height=\"";
+          svg += "' height='";
           num(cs);
-          svg += "\" fill=\"";
+          svg += "' fill='";
           if (!visible(i, j))
             svg += hidden_fill;
           else if (std::isnan(v))
             svg += nan_fill;
           else
             append_hex(svg, colormap_rgb(o.color_map, scaled(v)));
-          svg += "\"/>\n";
+          svg += "'/>\n";
         }
       }
       svg += "</g>\n";
       if (annotate) {
-        svg += "<g class=\"values\" font-size=\"";
+        svg += "<g class='values' font-size='";
         num(value_font);
-        svg += "\" text-anchor=\"middle\">\n";
+        svg += "' text-anchor='middle'>\n";
         for (Index i = 0; i < q_length; ++i) {
           for (Index j = 0; j < k_length; ++j) {
             if (!visible(i, j))
@@ -575,13 +576,13 @@ inline std::string render(const Figure& figure, const HeatmapOptions& o) {
             const double v = values(i, j);
             const bool light =
                 std::isnan(v) || luminance(colormap_rgb(o.color_map, scaled(v))) < 0.408;
-            svg += "<text class=\"value\" x=\"";
+            svg += "<text class='value' x='";
             num(plot_x + cs * (static_cast<double>(j) + 0.5));
-            svg += "\" y=\"";
+            svg += "' y='";
             num(plot_y + cs * (static_cast<double>(i) + 0.5));
-            svg += "\" dy=\"0.35em\" fill=\"";
+            svg += "' dy='0.35em' fill='";
             svg += light ? "#ffffff" : dark_text;
-            svg += "\">";
+            svg += "'>";
             append_fixed(svg, v, o.decimals);
             svg += "</text>\n";
           }
@@ -593,9 +594,9 @@ inline std::string render(const Figure& figure, const HeatmapOptions& o) {
       // the first run's start (y at the cell's middle), "h w" along it, "m dx dy" from the
       // end of one run to the start of the next.
       constexpr int hidden_key = levels, nan_key = levels + 1;
-      runs.assign(static_cast<std::size_t>(levels + 2), std::string());
-      std::vector<std::array<Index, 2>> pen(static_cast<std::size_t>(levels + 2),
-                                            std::array<Index, 2>{-1, -1});  // end of last run
+      constexpr auto keys = static_cast<std::size_t>(levels) + 2;
+      runs.assign(keys, std::string());
+      std::vector<std::array<Index, 2>> pen(keys, std::array<Index, 2>{-1, -1});  // end of last run
       const auto key_of = [&](Index i, Index j) {
         if (!visible(i, j))
           return hidden_key;
@@ -631,103 +632,103 @@ inline std::string render(const Figure& figure, const HeatmapOptions& o) {
           j = end;
         }
       }
-      svg += "<g class=\"cells\" fill=\"none\" stroke-width=\"";
+      svg += "<g class='cells' fill='none' stroke-width='";
       num(cs);
-      svg += "\" shape-rendering=\"crispEdges\">\n";
+      svg += "' shape-rendering='crispEdges'>\n";
       for (int key = 0; key < levels + 2; ++key) {
         const std::string& d = runs[static_cast<std::size_t>(key)];
         if (d.empty())
           continue;
-        svg += "<path class=\"cells";
+        svg += "<path class='cells";
         svg += key == hidden_key ? " hidden" : key == nan_key ? " nan" : "";
-        svg += "\" stroke=\"";
+        svg += "' stroke='";
         if (key == hidden_key)
           svg += hidden_fill;
         else if (key == nan_key)
           svg += nan_fill;
         else
           append_hex(svg, colormap_rgb(o.color_map, (key + 0.5) / levels));
-        svg += "\" d=\"";
+        svg += "' d='";
         svg += d;
-        svg += "\"/>\n";
+        svg += "'/>\n";
       }
       svg += "</g>\n";
     }
-    svg += "<rect class=\"frame\" x=\"";
+    svg += "<rect class='frame' x='";
     num(plot_x);
-    svg += "\" y=\"";
+    svg += "' y='";
     num(plot_y);
-    svg += "\" width=\"";
+    svg += "' width='";
     num(plot_w);
-    svg += "\" height=\"";
+    svg += "' height='";
     num(plot_h);
-    svg += "\" fill=\"none\" stroke=\"#9e9e9e\" stroke-width=\"0.5\"/>\n";
+    svg += "' fill='none' stroke='#9e9e9e' stroke-width='0.5'/>\n";
 
     // Tick labels.
     if (q_label_w > 0) {
-      svg += "<g class=\"query-labels\" font-size=\"";
+      svg += "<g class='query-labels' font-size='";
       num(tick_font);
-      svg += "\" text-anchor=\"end\">\n";
+      svg += "' text-anchor='end'>\n";
       for (Index i = 0; i < q_length; i += q_step) {
-        svg += "<text class=\"query-label\" x=\"";
+        svg += "<text class='query-label' x='";
         num(plot_x - 4);
-        svg += "\" y=\"";
+        svg += "' y='";
         num(plot_y + cs * (static_cast<double>(i) + 0.5));
-        svg += "\" dy=\"0.35em\">";
+        svg += "' dy='0.35em'>";
         text(q_labels[static_cast<std::size_t>(i)]);
         svg += "</text>\n";
       }
       svg += "</g>\n";
     }
     if (k_label_w > 0) {
-      svg += "<g class=\"key-labels\" font-size=\"";
+      svg += "<g class='key-labels' font-size='";
       num(tick_font);
-      svg += rotate_keys ? "\" text-anchor=\"end\">\n" : "\" text-anchor=\"middle\">\n";
+      svg += rotate_keys ? "' text-anchor='end'>\n" : "' text-anchor='middle'>\n";
       for (Index j = 0; j < k_length; j += k_step) {
         const double x = plot_x + cs * (static_cast<double>(j) + 0.5);
         const double y = plot_y + plot_h + 4;
-        svg += "<text class=\"key-label\" x=\"";
+        svg += "<text class='key-label' x='";
         num(x);
-        svg += "\" y=\"";
+        svg += "' y='";
         num(rotate_keys ? y : y + tick_font);
         if (rotate_keys) {
-          svg += "\" dy=\"0.35em\" transform=\"rotate(-90 ";
+          svg += "' dy='0.35em' transform='rotate(-90 ";
           num(x);
           svg += ' ';
           num(y);
           svg += ')';
         }
-        svg += "\">";
+        svg += "'>";
         text(k_labels[static_cast<std::size_t>(j)]);
         svg += "</text>\n";
       }
       svg += "</g>\n";
     }
     if (!o.key_axis.empty()) {
-      svg += "<text class=\"axis-label\" x=\"";
+      svg += "<text class='axis-label' x='";
       num(plot_x + plot_w / 2);
-      svg += "\" y=\"";
+      svg += "' y='";
       num(plot_y + plot_h + k_ticks_h + axis_font + 2);
-      svg += "\" font-size=\"";
+      svg += "' font-size='";
       num(axis_font);
-      svg += "\" text-anchor=\"middle\">";
+      svg += "' text-anchor='middle'>";
       text(o.key_axis);
       svg += "</text>\n";
     }
     if (!o.query_axis.empty()) {
       const double x = axis_font;
       const double y = plot_y + plot_h / 2;
-      svg += "<text class=\"axis-label\" x=\"";
+      svg += "<text class='axis-label' x='";
       num(x);
-      svg += "\" y=\"";
+      svg += "' y='";
       num(y);
-      svg += "\" font-size=\"";
+      svg += "' font-size='";
       num(axis_font);
-      svg += "\" text-anchor=\"middle\" transform=\"rotate(-90 ";
+      svg += "' text-anchor='middle' transform='rotate(-90 ";
       num(x);
       svg += ' ';
       num(y);
-      svg += ")\">";
+      svg += ")'>";
       text(o.query_axis);
       svg += "</text>\n";
     }
@@ -735,40 +736,40 @@ inline std::string render(const Figure& figure, const HeatmapOptions& o) {
   }
 
   // Colour bar: the gradient of the 9 anchors, ticks, and a legend for masked / NaN cells.
-  svg += "<g class=\"colorbar\" font-size=\"";
+  svg += "<g class='colorbar' font-size='";
   num(tick_font);
-  svg += "\">\n<rect x=\"";
+  svg += "'>\n<rect x='";
   num(bar_x);
-  svg += "\" y=\"";
+  svg += "' y='";
   num(bar_y);
-  svg += "\" width=\"";
+  svg += "' width='";
   num(bar_width);
-  svg += "\" height=\"";
+  svg += "' height='";
   num(bar_h);
-  svg += "\" fill=\"url(#attn-colorbar)\" stroke=\"#9e9e9e\" stroke-width=\"0.5\"/>\n";
+  svg += "' fill='url(#attn-colorbar)' stroke='#9e9e9e' stroke-width='0.5'/>\n";
   for (int t = 0; t < bar_ticks; ++t) {
     const double y = bar_y + bar_h - bar_h * t / (bar_ticks - 1);
-    svg += "<text x=\"";
+    svg += "<text x='";
     num(bar_x + bar_width + 6);
-    svg += "\" y=\"";
+    svg += "' y='";
     num(y);
-    svg += "\" dy=\"0.35em\">";
+    svg += "' dy='0.35em'>";
     svg += bar_labels[static_cast<std::size_t>(t)];
     svg += "</text>\n";
   }
   double legend_y = bar_y + bar_h + 12;
   const auto legend = [&](const char* fill, const char* label) {
-    svg += "<rect x=\"";
+    svg += "<rect x='";
     num(bar_x);
-    svg += "\" y=\"";
+    svg += "' y='";
     num(legend_y);
-    svg += "\" width=\"14\" height=\"14\" fill=\"";
+    svg += "' width='14' height='14' fill='";
     svg += fill;
-    svg += "\" stroke=\"#9e9e9e\" stroke-width=\"0.5\"/><text x=\"";
+    svg += "' stroke='#9e9e9e' stroke-width='0.5'/><text x='";
     num(bar_x + 18);
-    svg += "\" y=\"";
+    svg += "' y='";
     num(legend_y + 7);
-    svg += "\" dy=\"0.35em\">";
+    svg += "' dy='0.35em'>";
     svg += label;
     svg += "</text>\n";
     legend_y += 20;
@@ -845,8 +846,7 @@ std::string heads_svg(const char* function, const Weights& weights, Index batch_
   return render(figure, options);
 }
 
-}  // namespace viz
-}  // namespace detail
+}  // namespace detail::viz
 
 /// SVG heatmap of one attention matrix: weights (Lq, Lk), any Eigen matrix or array of real
 /// numbers; queries are rows (y axis), keys columns (x axis). Throws std::invalid_argument
