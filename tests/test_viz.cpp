@@ -205,7 +205,7 @@ TEST_CASE("heatmap of the tutorial's 3 tokens: cells, values, labels, axes, titl
   CHECK(attn::attention_heatmap_svg(tutorial_like_weights(), options) == text);
 }
 
-TEST_CASE("default labels are indices; decimals are honoured", "[viz]") {
+TEST_CASE("default labels are indices, and decimals are honoured", "[viz]") {
   attn::HeatmapOptions options;
   options.decimals = 3;
   options.query_axis.clear();
