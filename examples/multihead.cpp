@@ -10,10 +10,17 @@
 //   4. A padded batch: key_padding_mask (true = IGNORE, PyTorch MHA polarity). The padded
 //      result of each sequence equals running it alone, unpadded.
 //
+// Pictures (attn/viz.hpp), written next to the executable or into DIR with `--out DIR`:
+// multihead_heads.svg, the weights of step 3 as one heatmap per head, and
+// multihead_padded.svg, the head-averaged weights of the shortest padded sequence of step 4
+// with its padding keys hatched.
+//
 // Exits non-zero if a check fails.
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <exception>
+#include <filesystem>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -23,6 +30,7 @@
 #include "attn/multihead.hpp"
 #include "attn/projection.hpp"
 #include "numpy_random.hpp"
+#include "output_dir.hpp"
 
 namespace {
 
@@ -70,9 +78,7 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-}  // namespace
-
-int main() {
+int run(const std::filesystem::path& out_dir) {
   bool ok = true;
   const Index batch = 2, seq = 10, hidden = 768, heads = 12, head_dim = hidden / heads;
 
@@ -136,6 +142,14 @@ int main() {
   const auto small = mha.forward(x, with_weights);
   std::cout << "batch 2, seq 10: output " << shape(small.output) << ", weights per head "
             << shape(small.weights) << "\n";
+  {
+    attn::HeatmapOptions picture;
+    picture.title = "MultiHeadAttention weights per head (E = 768, H = 12, batch entry 0)";
+    picture.cell_size = 34;
+    const std::filesystem::path path = out_dir / "multihead_heads.svg";
+    attn::write_attention_heads(path, small.weights, 0, picture);  // (B, H, L, S), b = 0
+    std::cout << "wrote " << path.string() << ": one heatmap per head\n";
+  }
 
   numpy_random rng_big(0);
   const attn::Tensor<T, 3> x_big = randn3(rng_big, 8, 512, hidden);
@@ -197,7 +211,31 @@ int main() {
   }
   std::cout << "(key_padding_mask uses PyTorch MultiheadAttention's polarity, true = ignore;\n"
                " scaled_dot_product_attention's keep_mask is the opposite, true = attend.)\n";
+  {
+    // The shortest sequence's averaged weights (L, S) = (10, 10): keys >= 4 are padding.
+    const Index b = 2, n = lengths[2];
+    const Eigen::Map<const attn::Matrix<T>> weights(
+        padded_out.averaged_weights.data() + b * padded * padded, padded, padded);
+    attn::HeatmapOptions picture;
+    picture.title = "Averaged weights, sequence 2: " + std::to_string(n) + " tokens + " +
+                    std::to_string(padded - n) + " padding";
+    picture.visible = attn::visibility_matrix(padded, padded, attn::Causal::none, {}, n);
+    const std::filesystem::path path = out_dir / "multihead_padded.svg";
+    attn::write_attention_heatmap(path, weights, picture);
+    std::cout << "wrote " << path.string() << ": padding keys hatched, not drawn as 0.00\n";
+  }
 
   std::cout << (ok ? "\nall checks passed\n" : "\nA CHECK FAILED\n");
   return ok ? EXIT_SUCCESS : EXIT_FAILURE;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(attn_examples::output_dir(argc, argv));
+  } catch (const std::exception& e) {
+    std::cerr << "multihead: " << e.what() << "\n";
+    return EXIT_FAILURE;
+  }
 }

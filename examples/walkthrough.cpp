@@ -9,12 +9,17 @@
 //
 // Shapes: L = 3 tokens, E = d_model = 4, D = d_k = 3, Dv = d_v = 3.
 //
+// It writes the tutorial's seaborn heatmap as SVG (attn/viz.hpp) next to the executable, or
+// into DIR with `--out DIR`: attention_weights.svg (step 5) and attention_weights_causal.svg
+// (step 8, hidden keys hatched).
+//
 // Exits non-zero if the random numbers are not NumPy's or the one-call API and the
 // step-by-step computation disagree.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <string>
@@ -23,6 +28,7 @@
 
 #include "attn/attn.hpp"
 #include "numpy_random.hpp"
+#include "output_dir.hpp"
 
 namespace {
 
@@ -54,8 +60,21 @@ Mat elu_plus_one(const Mat& x) {
   return x.unaryExpr([](double v) { return v > 0.0 ? v + 1.0 : std::exp(v); });
 }
 
-// The walkthrough; returns false if a check failed.
-bool run() {
+// Writes weights (L, L) as the tutorial's heatmap (Token1..TokenL, Key on x, Query on y).
+void write_heatmap(const std::filesystem::path& path, const Mat& weights, const std::string& title,
+                   const attn::Matrix<bool>& visible) {
+  attn::HeatmapOptions options;
+  options.title = title;
+  for (Index i = 0; i < weights.rows(); ++i)
+    options.query_labels.push_back("Token" + std::to_string(i + 1));
+  options.key_labels = options.query_labels;
+  options.visible = visible;  // empty: every cell visible
+  attn::write_attention_heatmap(path, weights, options);
+  std::cout << "wrote " << path.string() << "\n";
+}
+
+// The walkthrough; pictures go to out_dir. Returns false if a check failed.
+bool run(const std::filesystem::path& out_dir) {
   std::cout << std::fixed << std::setprecision(6);
   bool ok = true;
 
@@ -121,6 +140,9 @@ bool run() {
     std::cout << " |\n";
   }
 
+  // ... and attn::write_attention_heatmap draws the tutorial's picture itself.
+  write_heatmap(out_dir / "attention_weights.svg", weights, "Attention weights", {});
+
   heading("6. Output = weights V");
   const Mat output = weights * V;  // (L, Dv)  row i: a weighted average of the rows of V
   print("output", output);
@@ -159,6 +181,10 @@ bool run() {
       attn::scaled_dot_product_attention(Q, K, V, options, &api_causal_weights);
   print("causal weights (one call)", api_causal_weights);
   print("causal output (one call)", api_causal_output);
+  // The heatmap of the causal weights: hidden keys are drawn hatched and empty, not as 0.00.
+  write_heatmap(out_dir / "attention_weights_causal.svg", api_causal_weights,
+                "Causal attention weights (top-left)",
+                attn::visibility_matrix(3, 3, attn::Causal::top_left));
   const double differences[] = {max_abs_diff(api_weights, weights),
                                 max_abs_diff(api_output, output),
                                 max_abs_diff(api_causal_weights, causal_weights),
@@ -263,9 +289,9 @@ bool run() {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   try {
-    return run() ? EXIT_SUCCESS : EXIT_FAILURE;
+    return run(attn_examples::output_dir(argc, argv)) ? EXIT_SUCCESS : EXIT_FAILURE;
   } catch (const std::exception& e) {
     std::cerr << "walkthrough: " << e.what() << "\n";
     return EXIT_FAILURE;

@@ -24,7 +24,7 @@ if [[ "${2:-}" == "--strict" ]]; then
 fi
 
 # libomp-dev: clang's omp.h, needed when the tree was configured with OpenMP.
-attn_ensure_packages clang-tidy libomp-dev cmake g++ make libeigen3-dev catch2 \
+attn_ensure_packages clang-tidy libomp-dev cmake g++ make libeigen3-dev catch2 libtinyxml2-dev \
   nlohmann-json3-dev libbenchmark-dev
 
 build_dir="build/$preset"

@@ -11,3 +11,4 @@
 #include "attn/score_modifiers.hpp"
 #include "attn/softmax.hpp"
 #include "attn/tensor.hpp"
+#include "attn/viz.hpp"
