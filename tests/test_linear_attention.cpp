@@ -62,9 +62,8 @@ struct LinearCase {
 
 /// Quadratic double-precision reference for one head: A = phi(q) phi(k)^T with the hidden
 /// keys zeroed, out = A v / (rowsum(A) + eps). The mask is mask.hpp's visibility rule.
-MatD quadratic_reference(const std::function<MatD(const MatD&)>& phi, const MatD& q,
-                         const MatD& k, const MatD& v, attn::Causal causal, Index key_length,
-                         double eps) {
+MatD quadratic_reference(const std::function<MatD(const MatD&)>& phi, const MatD& q, const MatD& k,
+                         const MatD& v, attn::Causal causal, Index key_length, double eps) {
   MatD a = phi(q) * phi(k).transpose();  // (Lq, Lk)
   const Index lq = q.rows(), lk = k.rows();
   const Index offset = causal == attn::Causal::top_left ? 0 : lk - lq;
@@ -97,15 +96,15 @@ attn_test::Comparison compare_matrix(const attn::Matrix<T>& actual, const MatD& 
                                      double rtol) {
   if (actual.rows() != expected.rows() || actual.cols() != expected.cols())
     return {false, 0, "shapes differ"};
-  return attn_test::compare(actual.data(), expected.data(),
-                            static_cast<std::size_t>(actual.size()), rtol);
+  return attn_test::compare(actual.data(), expected.data(), static_cast<std::size_t>(actual.size()),
+                            rtol);
 }
 
-#define REQUIRE_MATRIX_CLOSE(actual, expected, rtol)                          \
-  do {                                                                        \
-    const auto linear_cmp_ = compare_matrix((actual), (expected), (rtol));    \
-    INFO(linear_cmp_.detail);                                                 \
-    REQUIRE(linear_cmp_.ok);                                                  \
+#define REQUIRE_MATRIX_CLOSE(actual, expected, rtol)                       \
+  do {                                                                     \
+    const auto linear_cmp_ = compare_matrix((actual), (expected), (rtol)); \
+    INFO(linear_cmp_.detail);                                              \
+    REQUIRE(linear_cmp_.ok);                                               \
   } while (false)
 
 }  // namespace
@@ -359,8 +358,7 @@ TEMPLATE_TEST_CASE("the recurrent state gives the causal batch result token by t
   }
 }
 
-TEST_CASE("FAVOR+ approaches softmax attention as the feature count grows",
-          "[linear][favor]") {
+TEST_CASE("FAVOR+ approaches softmax attention as the feature count grows", "[linear][favor]") {
   // Small inputs, one head: D = 8, L = 12. softmax SDPA uses scale 1/sqrt(D), as FAVOR+ does.
   const Index d = 8, dv = 4, length = 12;
   const attn::Matrix<double> q = random_matrix<double>(length, d, 31u, 0.5);
@@ -427,8 +425,8 @@ TEST_CASE("FAVOR+ approaches softmax attention as the feature count grows",
   }
 }
 
-TEMPLATE_TEST_CASE("linear attention: NaN propagates, empty problems are defined",
-                   "[linear][nan]", float, double) {
+TEMPLATE_TEST_CASE("linear attention: NaN propagates, empty problems are defined", "[linear][nan]",
+                   float, double) {
   using T = TestType;
   const T nan = std::numeric_limits<T>::quiet_NaN();
   attn::Matrix<T> q = random_matrix<T>(6, 4, 41u), k = random_matrix<T>(6, 4, 42u),
@@ -560,9 +558,8 @@ TEST_CASE("linear attention rejects what SDPA rejects, and masks it cannot apply
   REQUIRE_THROWS_WITH(attn::FeatureMap<float>::custom(nullptr),
                       "FeatureMap::custom: the function is empty");
   REQUIRE_THROWS_WITH(
-      attn::FeatureMap<float>::custom([](const Eigen::Ref<const attn::Matrix<float>>&,
-                                         Eigen::Ref<attn::Matrix<float>>) {},
-                                      -2),
+      attn::FeatureMap<float>::custom(
+          [](const Eigen::Ref<const attn::Matrix<float>>&, Eigen::Ref<attn::Matrix<float>>) {}, -2),
       "FeatureMap::custom: features is -2: must be >= 0 (0 = D)");
 
   // The recurrent state.

@@ -21,11 +21,11 @@
 // Grouped-query attention as in attention.hpp (query head h reads kv head h / (Hq / Hkv)).
 //
 // Cost per kv head: non-causal O((Lq * group + Lk) * M * Dv), causal the same plus
-// O(L * C * (M + Dv)) for the intra-chunk products (C = chunk rows, default 64); no (Lq, Lk)
+// O(L * C * (M + Dv)) for the intra-chunk products (C = chunk rows, default 16); no (Lq, Lk)
 // matrix is ever formed, and the causal form has no per-token loop: each chunk is a handful
 // of GEMMs against the running state.
 // Extra memory per thread: the state (M, Dv) + (M), and chunk workspaces of C * (2 M + C + 1)
-// scalars: about 50 KiB for float, D = Dv = 64, C = 64, whatever L is.
+// scalars: 6480 scalars (25 KiB for float) at D = Dv = M = 64, C = 16, whatever L is.
 //
 // Not supported (rejected with std::invalid_argument, never ignored): keep_mask and bias,
 // which act on individual (query, key) scores that linear attention never forms.
@@ -63,8 +63,10 @@ enum class FeatureKind : std::uint8_t {
   custom,        ///< a user callable applied row by row
 };
 
-/// Default rows per chunk of the causal prefix sums (and of every pass over q and k).
-inline constexpr Index default_linear_chunk = 64;
+/// Default rows per chunk of the causal prefix sums (and of every pass over q and k). Chosen
+/// by bench/bench_linear.cpp (float, D = Dv = 64, causal, L = 16384, one thread): chunks of
+/// 16 took 48.9 ms, 32 51.8 ms, 64 61.9 ms; non-causal does not depend on it.
+inline constexpr Index default_linear_chunk = 16;
 
 /// A feature map phi: (n, D) rows -> (n, M) features, applied row by row to queries and keys.
 ///
@@ -95,9 +97,9 @@ class FeatureMap {
     if (!function)
       detail::throw_invalid_argument("FeatureMap::custom", "the function is empty");
     if (features < 0) {
-      detail::throw_invalid_argument("FeatureMap::custom", "features is " +
-                                                               std::to_string(features) +
-                                                               ": must be >= 0 (0 = D)");
+      detail::throw_invalid_argument(
+          "FeatureMap::custom",
+          "features is " + std::to_string(features) + ": must be >= 0 (0 = D)");
     }
     FeatureMap map(FeatureKind::custom);
     map.function_ = std::move(function);
@@ -117,7 +119,7 @@ class FeatureMap {
     map.omega_ = omega;
     map.features_ = omega.rows();
     const T input_scale = T(1) / std::sqrt(std::sqrt(static_cast<T>(omega.cols())));  // D^-1/4
-    map.omega_t_scaled_ = omega.transpose() * input_scale;                             // (D, m)
+    map.omega_t_scaled_ = omega.transpose() * input_scale;                            // (D, m)
     map.half_squared_scale_ = T(0.5) * input_scale * input_scale;
     map.output_scale_ = T(1) / std::sqrt(static_cast<T>(omega.rows()));
     return map;
@@ -251,7 +253,7 @@ class NormalSampler {
       return spare_;
     }
     constexpr double two_pi = 6.283185307179586476925286766559;
-    constexpr double to_unit = 1.0 / 9007199254740992.0;                   // 2^-53
+    constexpr double to_unit = 1.0 / 9007199254740992.0;                       // 2^-53
     const double u1 = (static_cast<double>(engine_() >> 11) + 1.0) * to_unit;  // (0, 1]
     const double u2 = static_cast<double>(engine_() >> 11) * to_unit;          // [0, 1)
     const double radius = std::sqrt(-2.0 * std::log(u1));
@@ -286,9 +288,8 @@ FeatureMap<T> favor_plus(Index features,  // m
                          Index dim,       // D
                          std::uint64_t seed) {
   if (features < 1 || dim < 1) {
-    detail::throw_invalid_argument("favor_plus", "m is " + std::to_string(features) +
-                                                     " and D is " + std::to_string(dim) +
-                                                     ": both must be >= 1");
+    detail::throw_invalid_argument("favor_plus", "m is " + std::to_string(features) + " and D is " +
+                                                     std::to_string(dim) + ": both must be >= 1");
   }
   detail::NormalSampler normal(seed);
   Eigen::MatrixXd omega(features, dim);  // (m, D)
@@ -335,11 +336,11 @@ namespace detail {
 /// Per-thread buffers of the linear attention kernels: allocated once per call.
 template <class T>
 struct LinearWorkspace {
-  Matrix<T> q_features;  // (C, M)
-  Matrix<T> k_features;  // (C, M)
-  Matrix<T> scores;      // (C, C) intra-chunk phi(q) phi(k)^T, causal only
-  Matrix<T> state;       // (M, Dv)  S = sum phi(k_j) v_j^T
-  Vector<T> normaliser;  // (M)      z = sum phi(k_j)
+  Matrix<T> q_features;   // (C, M)
+  Matrix<T> k_features;   // (C, M)
+  Matrix<T> scores;       // (C, C) intra-chunk phi(q) phi(k)^T, causal only
+  Matrix<T> state;        // (M, Dv)  S = sum phi(k_j) v_j^T
+  Vector<T> normaliser;   // (M)      z = sum phi(k_j)
   Vector<T> denominator;  // (C)
   T key_shift = -std::numeric_limits<T>::infinity();  // FAVOR+ only
 
@@ -424,8 +425,8 @@ void linear_attention_kv_head(const HeadsView<const T>& q, const HeadsView<const
       const HeadMatrix<const T> q_head = q.head(b, h);
       HeadMatrix<T> out_head = out.head(b, h);
       for (Index i0 = 0; i0 < q_length; i0 += chunk) {
-        linear_query_chunk(map, q_head, v_head, out_head, i0, std::min(chunk, q_length - i0), 0,
-                           0, 0, eps, ws);
+        linear_query_chunk(map, q_head, v_head, out_head, i0, std::min(chunk, q_length - i0), 0, 0,
+                           0, eps, ws);
       }
     }
     return;
@@ -481,20 +482,19 @@ void check_linear_options(const char* function, const LinearAttentionOptions<T>&
                                          "scaled_dot_product_attention)");
   }
   if (!(options.eps >= T(0)) || !std::isfinite(options.eps)) {
-    throw_invalid_argument(function, "eps is " + std::to_string(options.eps) +
-                                         ": must be finite and >= 0");
+    throw_invalid_argument(function,
+                           "eps is " + std::to_string(options.eps) + ": must be finite and >= 0");
   }
   if (options.chunk < 0) {
-    throw_invalid_argument(function, "chunk is " + std::to_string(options.chunk) +
-                                         ": must be >= 0 (0 = default)");
+    throw_invalid_argument(
+        function, "chunk is " + std::to_string(options.chunk) + ": must be >= 0 (0 = default)");
   }
   const FeatureMap<T>& map = options.feature_map;
   if (map.kind() == FeatureKind::favor_plus && map.projection().cols() != q.dim) {
-    throw_invalid_argument(function, "the FAVOR+ projection is " +
-                                         shape_string({map.projection().rows(),
-                                                       map.projection().cols()}) +
-                                         " (m, D) but q and k have D = " +
-                                         std::to_string(q.dim));
+    throw_invalid_argument(function,
+                           "the FAVOR+ projection is " +
+                               shape_string({map.projection().rows(), map.projection().cols()}) +
+                               " (m, D) but q and k have D = " + std::to_string(q.dim));
   }
   // key_lengths: the same rules and messages as scaled_dot_product_attention.
   (void)Mask<T>(function, q.batch, q.heads, q.length, k.length, options.causal, Window{},
@@ -671,9 +671,9 @@ class LinearAttentionState {
   void query_into(const Eigen::MatrixBase<DQ>& q, Eigen::Ref<Vector<T>> out) {
     check_vector("query", "q", q.rows(), q.cols(), dim_);
     if (out.size() != value_dim_) {
-      detail::throw_invalid_argument(
-          "LinearAttentionState::query", "out has " + std::to_string(out.size()) +
-                                             " elements but Dv = " + std::to_string(value_dim_));
+      detail::throw_invalid_argument("LinearAttentionState::query",
+                                     "out has " + std::to_string(out.size()) +
+                                         " elements but Dv = " + std::to_string(value_dim_));
     }
     input_.row(0) = q.reshaped().transpose().template cast<T>();
     map_.apply_queries(input_, phi_);
@@ -716,9 +716,7 @@ class LinearAttentionState {
   const Vector<T>& normaliser() const { return normaliser_; }
   /// FAVOR+: the shift subtracted from every key exponent; -inf before the first key, and
   /// 0 for the other feature maps.
-  T key_shift() const {
-    return map_.kind() == FeatureKind::favor_plus ? shift_ : T(0);
-  }
+  T key_shift() const { return map_.kind() == FeatureKind::favor_plus ? shift_ : T(0); }
 
  private:
   void check_vector(const char* what, const char* name, Index rows, Index cols,
