@@ -584,3 +584,30 @@ TEST_CASE("linear attention rejects what SDPA rejects, and masks it cannot apply
   REQUIRE_THROWS_WITH(state.query_into(x4, wrong),
                       "LinearAttentionState::query: out has 4 elements but Dv = 3");
 }
+
+TEMPLATE_TEST_CASE("linear attention gives the same bits with 1 and 2 threads", "[linear][threads]",
+                   float, double) {
+#if ATTN_HAS_OPENMP
+  using T = TestType;
+  attn::Tensor<T, 4> q(2, 4, 300, 32), k(2, 2, 300, 32), v(2, 2, 300, 24);
+  std::mt19937 rng(9u);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (attn::Tensor<T, 4>* t : {&q, &k, &v})
+    for (Index n = 0; n < t->size(); ++n)
+      t->data()[n] = static_cast<T>(normal(rng));
+  const int saved = omp_get_max_threads();
+  for (const attn::Causal causal : {attn::Causal::none, attn::Causal::top_left}) {
+    attn::LinearAttentionOptions<T> options;
+    options.causal = causal;
+    options.feature_map = attn::favor_plus<T>(48, 32, 1);
+    omp_set_num_threads(1);
+    const attn::Tensor<T, 4> one = attn::linear_attention(q, k, v, options);
+    omp_set_num_threads(2);
+    const attn::Tensor<T, 4> two = attn::linear_attention(q, k, v, options);
+    omp_set_num_threads(saved);
+    REQUIRE(std::equal(one.data(), one.data() + one.size(), two.data()));
+  }
+#else
+  SUCCEED("built without OpenMP: single-threaded only");
+#endif
+}

@@ -75,8 +75,10 @@ inline constexpr Index default_linear_chunk = 16;
 ///   custom(function, M)                 M given (0 = D); function(x (n, D), phi (n, M)) must
 ///                                       fill phi row by row: row r of phi may depend only on
 ///                                       row r of x, because the library calls it on blocks of
-///                                       any height (a single row when decoding). It should be
-///                                       positive, or normalisers can vanish (as identity's).
+///                                       any height (a single row when decoding), from
+///                                       several threads at once when heads run in parallel
+///                                       (so it must be thread-safe). It should be positive,
+///                                       or normalisers can vanish (as identity's).
 ///   favor_plus<T>(m, D, seed)           M = m, see favor_plus below.
 template <class T>
 class FeatureMap {
@@ -505,7 +507,8 @@ void check_linear_options(const char* function, const LinearAttentionOptions<T>&
 
 /// Linear attention on (B, H, L, D) views, written into `out` (B, Hq, Lq, Dv), which may be
 /// any strided view. Work is split over (batch, kv head) items with OpenMP; each item computes
-/// its key/value sums once for all the query heads that share them.
+/// its key/value sums once for all the query heads that share them, in the same way on any
+/// thread, so results are bitwise identical for any thread count (tested).
 template <class T>
 void linear_attention_into(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
                            const HeadsView<const T>& k,  // (B, Hkv, Lk, D)
