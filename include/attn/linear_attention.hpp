@@ -325,7 +325,8 @@ struct LinearAttentionOptions {
   FeatureMap<T> feature_map;       ///< phi; default elu(x) + 1
   Causal causal = Causal::none;    ///< query i sees keys j <= i + offset (mask.hpp's alignment)
   std::vector<Index> key_lengths;  ///< (B) valid keys per batch entry; empty = all
-  T eps = T(1e-6);                 ///< added to every normaliser phi(q_i) . z
+  T eps = T(1e-6);                 ///< added to every normaliser phi(q_i) . z; with eps = 0 a
+                                   ///< row whose normaliser is 0 gives NaN, not 0
   Index chunk = 0;                 ///< rows per chunk; 0 = default_linear_chunk
   /// Not supported by linear attention: must stay empty. Present so that options carried
   /// over from scaled_dot_product_attention fail loudly instead of being ignored.
