@@ -1,0 +1,240 @@
+// Benchmarks of linear attention (attn/linear_attention.hpp) against flash SDPA at the same
+// shapes, in one binary so that the crossover length is read from one run.
+//
+//   B * H = 8 heads (B = 1, H = 8), float, Lq = Lk = L, D = Dv = 64, phi = elu + 1.
+//   FLOPs counted are those the algorithm executes in its GEMMs (feature maps not counted):
+//     linear non-causal  8 * (4 L M Dv + 4 L M): S and z, then phi(Q) S and phi(Q) z
+//     linear causal      the same plus the intra-chunk products, 8 * L * C * (2 M + 2 Dv + 1)
+//                        (C = chunk rows; the full (C, C) block is computed)
+//     flash              4 * 8 * D * (visible (query, key) pairs), as bench_attention.cpp
+//   time(L = 65536) / time(L = 4096) is the scaling figure (16 is linear).
+//   The recurrent step: one LinearAttentionState per head, 8 steps per iteration, timed
+//   after `position` tokens have been absorbed.
+//
+// Run everything:           OMP_NUM_THREADS=1 build/dev/bench/bench_linear
+// ATTN_BENCH_SMOKE=1 shrinks to the smallest sizes (ctest's smoke test).
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <attn/attention.hpp>
+#include <attn/linear_attention.hpp>
+
+namespace {
+
+using attn::Index;
+
+constexpr Index kHeads = 8;  // B * H
+constexpr Index kDim = 64;   // D = Dv
+
+bool smoke() {
+  const char* s = std::getenv("ATTN_BENCH_SMOKE");
+  return s != nullptr && std::string(s) == "1";
+}
+
+void set_threads(int threads) {
+#if ATTN_HAS_OPENMP
+  omp_set_num_threads(threads);
+#else
+  (void)threads;
+#endif
+  Eigen::setNbThreads(threads);
+}
+
+struct Inputs {
+  std::vector<float> q, k, v, out;  // (1, 8, L, D) each
+  Index length;
+  explicit Inputs(Index l) : length(l) {
+    const auto n = static_cast<std::size_t>(kHeads * l * kDim);
+    q.resize(n);
+    k.resize(n);
+    v.resize(n);
+    out.assign(n, 0.0f);
+    std::mt19937 rng(42u);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (std::vector<float>* t : {&q, &k, &v})
+      for (float& x : *t)
+        x = normal(rng);
+  }
+  attn::HeadsView<const float> view(const std::vector<float>& t) const {
+    return attn::bhld_view(t.data(), Index(1), kHeads, length, kDim);
+  }
+  attn::HeadsView<float> out_view() {
+    return attn::bhld_view(out.data(), Index(1), kHeads, length, kDim);
+  }
+};
+
+attn::Matrix<double> elu_plus_one(const attn::Matrix<double>& x) {
+  return x.unaryExpr([](double t) { return t > 0 ? t + 1 : std::exp(t); });
+}
+
+// Head 0 against a float64 reference: the linear form for non-causal (all rows), the
+// quadratic form on the first 256 rows for causal. Returns the worst relative error.
+double validate(const Inputs& in, bool causal) {
+  const auto head0 = [&](const std::vector<float>& t) {
+    return attn::Matrix<double>(
+        attn::bhld_view(t.data(), Index(1), kHeads, in.length, kDim).head(0, 0).cast<double>());
+  };
+  const attn::Matrix<double> q = head0(in.q), k = head0(in.k), v = head0(in.v), out = head0(in.out);
+  const attn::Matrix<double> phi_q = elu_plus_one(q), phi_k = elu_plus_one(k);
+  attn::Matrix<double> expected;
+  Index rows = in.length;
+  if (!causal) {
+    const attn::Matrix<double> s = phi_k.transpose() * v;              // (D, Dv)
+    const Eigen::VectorXd z = phi_k.colwise().sum().transpose();       // (D)
+    const Eigen::VectorXd denominator = (phi_q * z).array() + 1e-6;    // (L)
+    expected = denominator.cwiseInverse().asDiagonal() * (phi_q * s);  // (L, Dv)
+  } else {
+    rows = std::min<Index>(in.length, 256);
+    attn::Matrix<double> a = phi_q.topRows(rows) * phi_k.topRows(rows).transpose();
+    a.triangularView<Eigen::StrictlyUpper>().setZero();
+    const Eigen::VectorXd denominator = a.rowwise().sum().array() + 1e-6;
+    expected = denominator.cwiseInverse().asDiagonal() * (a * v.topRows(rows));
+  }
+  double worst = 0;
+  for (Index i = 0; i < rows; ++i)
+    for (Index c = 0; c < kDim; ++c)
+      worst = std::max(
+          worst, std::abs(out(i, c) - expected(i, c)) / std::max(1.0, std::abs(expected(i, c))));
+  return worst;
+}
+
+double linear_flops(Index l, bool causal, Index chunk) {
+  const double ld = static_cast<double>(l), m = kDim, dv = kDim;
+  double per_head = 4 * ld * m * dv + 4 * ld * m;
+  if (causal)
+    per_head += ld * static_cast<double>(chunk) * (2 * m + 2 * dv + 1);
+  return static_cast<double>(kHeads) * per_head;
+}
+
+void BM_linear(benchmark::State& state) {
+  const Index length = state.range(0);
+  const bool causal = state.range(1) != 0;
+  const Index chunk = state.range(2);
+  set_threads(1);
+  Inputs inputs(length);
+  attn::LinearAttentionOptions<float> options;
+  options.causal = causal ? attn::Causal::top_left : attn::Causal::none;
+  options.chunk = chunk;
+  const auto run = [&] {
+    attn::linear_attention_into<float>(inputs.view(inputs.q), inputs.view(inputs.k),
+                                       inputs.view(inputs.v), inputs.out_view(), options);
+  };
+  run();  // validate once before timing
+  const double worst = validate(inputs, causal);
+  if (!(worst < 1e-4)) {
+    state.SkipWithError(("differs from the float64 reference by " + std::to_string(worst)).c_str());
+    return;
+  }
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(inputs.out.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] = benchmark::Counter(linear_flops(length, causal, chunk),
+                                               benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_flash(benchmark::State& state) {
+  const Index length = state.range(0);
+  const bool causal = state.range(1) != 0;
+  set_threads(1);
+  Inputs inputs(length);
+  attn::AttentionOptions<float> options;
+  options.algorithm = attn::Algorithm::flash;
+  options.causal = causal ? attn::Causal::top_left : attn::Causal::none;
+  for (auto _ : state) {
+    attn::scaled_dot_product_attention_into<float>(inputs.view(inputs.q), inputs.view(inputs.k),
+                                                   inputs.view(inputs.v), inputs.out_view(),
+                                                   options);
+    benchmark::DoNotOptimize(inputs.out.data());
+    benchmark::ClobberMemory();
+  }
+  const double ld = static_cast<double>(length);
+  const double pairs = causal ? ld * (ld + 1) / 2 : ld * ld;
+  state.counters["FLOPS"] = benchmark::Counter(4.0 * kHeads * pairs * kDim,
+                                               benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// One decoding step for each of the 8 heads, after `position` tokens.
+void BM_step(benchmark::State& state) {
+  const Index position = state.range(0);
+  set_threads(1);
+  std::vector<attn::LinearAttentionState<float>> heads(
+      static_cast<std::size_t>(kHeads), attn::LinearAttentionState<float>(kDim, kDim));
+  const attn::Matrix<float> tokens = attn::Matrix<float>::Random(256, kDim);  // (256, D)
+  for (auto& head : heads) {
+    for (Index p = 0; p < position; ++p)
+      head.update(tokens.row(p % 256), tokens.row((p + 1) % 256));
+  }
+  attn::Vector<float> out(kDim);
+  Index n = 0;
+  for (auto _ : state) {
+    for (auto& head : heads) {
+      head.step_into(tokens.row(n % 256), tokens.row((n + 7) % 256), tokens.row((n + 3) % 256),
+                     out);
+      benchmark::DoNotOptimize(out.data());
+    }
+    ++n;
+  }
+  state.counters["FLOPS"] =
+      benchmark::Counter(static_cast<double>(kHeads) * (4.0 * kDim * kDim + 4.0 * kDim),
+                         benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["position"] = static_cast<double>(position);
+}
+
+void register_all() {
+  const bool tiny = smoke();
+  const std::vector<std::int64_t> lengths =
+      tiny ? std::vector<std::int64_t>{128}
+           : std::vector<std::int64_t>{16,   32,   64,   128,   256,   512,  1024,
+                                       2048, 4096, 8192, 16384, 32768, 65536};
+  // flash is quadratic: 8192 already takes seconds per call.
+  const std::int64_t flash_max = 8192;
+  std::vector<std::int64_t> flash_lengths;
+  for (const std::int64_t l : lengths)
+    if (l <= flash_max)
+      flash_lengths.push_back(l);
+
+  benchmark::RegisterBenchmark("linear", BM_linear)
+      ->ArgNames({"L", "causal", "chunk"})
+      ->ArgsProduct({lengths, {0, 1}, {attn::default_linear_chunk}})
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  if (!tiny) {  // the chunk size of the causal form
+    benchmark::RegisterBenchmark("linear_chunk", BM_linear)
+        ->ArgNames({"L", "causal", "chunk"})
+        ->ArgsProduct({{16384}, {0, 1}, {8, 16, 32, 64, 128, 256}})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  benchmark::RegisterBenchmark("flash", BM_flash)
+      ->ArgNames({"L", "causal"})
+      ->ArgsProduct({flash_lengths, {0, 1}})
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("step", BM_step)
+      ->ArgNames({"position"})
+      ->ArgsProduct({tiny ? std::vector<std::int64_t>{0, 16}
+                          : std::vector<std::int64_t>{0, 1024, 16384, 65536}})
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv))
+    return 1;
+  register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
