@@ -44,6 +44,7 @@ import json
 import os
 import platform
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -203,6 +204,28 @@ def rate(entry):
     return entry.get("FLOPS", entry.get("FLOP/s"))
 
 
+# --- machine -----------------------------------------------------------------------------
+
+def cpu_snapshot():
+    """(wall s, busy CPU s of the whole machine, CPU s of this process and its waited-for
+    children). Two snapshots give the cores that *other* processes kept busy in between,
+    which the load average cannot: it counts our own benchmark threads too."""
+    with open("/proc/stat") as f:
+        user, nice, system, _, _, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    ours = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        ours += usage.ru_utime + usage.ru_stime
+    return time.monotonic(), busy, ours
+
+
+def others_cores(before, after):
+    """Average number of cores used by other processes between two cpu_snapshot()s."""
+    wall = after[0] - before[0]
+    return max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / wall) if wall > 0 else 0.0
+
+
 # --- report ------------------------------------------------------------------------------
 
 def machine():
@@ -222,7 +245,7 @@ def fmt_rate(flops, peak):
     return f"{flops / 1e9:.1f} ({100.0 * flops / peak:.0f}%)"
 
 
-def write_report(args, ours, peers, commands, loads):
+def write_report(args, ours, peers, commands, load, others):
     lengths, threads = args.lengths, args.threads
     peak = {n: rate(ours[("fma_peak", None, n)]) for n in threads}
     rows = []  # (label, threads, {length: flops}, mha_flops)
@@ -245,16 +268,18 @@ def write_report(args, ours, peers, commands, loads):
 
     model, cores = machine()
     p0 = peers[threads[0]]
-    loaded = max(loads) > 1.5
+    loaded = max(others.values()) > 0.25
     lines = [
         "# attn against NumPy and PyTorch",
         "",
         f"Machine: {model}, {cores} cores (`lscpu`), Linux {platform.release()}; "
         f"measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. "
-        f"Load average (1 min) at start / middle / end: "
-        + " / ".join(f"{x:.2f}" for x in loads)
-        + (" - **the machine was busy: absolute figures are low, compare within a column**."
-           if loaded else "."),
+        f"Load average before the run: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / "
+        f"15 min). Other processes kept {others['ours']:.2f} cores busy on average while attn "
+        f"ran and {others['peers']:.2f} while NumPy and PyTorch ran (/proc/stat minus this "
+        f"run's own CPU time)"
+        + (": **the machine was shared during the run, so two-thread figures especially are "
+           "low and noisy; compare within a column**." if loaded else "."),
         f"NumPy {p0['numpy']} and PyTorch {p0['torch']} (Debian), both on Debian's OpenBLAS.",
         "",
         f"Float32, GFLOP/s (and % of the FMA peak measured in the same run for that thread "
@@ -330,7 +355,8 @@ def main():
         return
 
     os.makedirs(args.results, exist_ok=True)
-    loads = [os.getloadavg()[0]]
+    load = os.getloadavg()
+    start = cpu_snapshot()
     ours, commands = {}, []
     join = "|".join
     pattern = (f"^(fma_peak/threads:({join(map(str, args.threads))})|(flash|naive|gemm)/"
@@ -353,7 +379,7 @@ def main():
         commands.append([f"OMP_NUM_THREADS={n}"] + command)
         for b in data["benchmarks"]:
             ours[(b["name"].split("/")[0], None, n)] = b
-    loads.append(os.getloadavg()[0])
+    middle = cpu_snapshot()
 
     peers = {}
     for n in args.threads:
@@ -365,10 +391,11 @@ def main():
               flush=True)
         peers[n] = json.loads(subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE,
                                              text=True).stdout)
-    loads.append(os.getloadavg()[0])
+    others = {"ours": others_cores(start, middle), "peers": others_cores(middle, cpu_snapshot())}
     with open(os.path.join(args.results, "peers.json"), "w") as f:
         json.dump({str(n): p for n, p in peers.items()}, f, indent=1, sort_keys=True)
-    write_report(args, ours, peers, commands + [["/usr/bin/python3", "bench/compare.py"]], loads)
+    write_report(args, ours, peers, commands + [["/usr/bin/python3", "bench/compare.py"]], load,
+                 others)
     print(f"compare.py: wrote {args.results}/benchmarks.md, {args.results}/attention_gflops.svg")
 
 
