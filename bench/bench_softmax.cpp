@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -47,7 +48,7 @@ Mat random_logits(Index rows, Index cols) {  // N(0, 3^2): a spread like attenti
 
 /// Scalar reference for one row in double: its softmax into `out` and its log-sum-exp.
 double reference_row(const float* row, Index n, std::vector<double>& out) {
-  double max = -INFINITY;
+  double max = -std::numeric_limits<double>::infinity();
   for (Index j = 0; j < n; ++j)
     max = std::max(max, static_cast<double>(row[j]));
   double sum = 0;
@@ -109,7 +110,7 @@ void BM_softmax_rows(benchmark::State& state) {
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
   }
-  const double n = static_cast<double>(rows * cols);
+  const auto n = static_cast<double>(rows * cols);
   set_counters(state, n, 2.0 * n * sizeof(float));
 }
 
@@ -133,7 +134,7 @@ void BM_softmax_in_place(benchmark::State& state) {
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
   }
-  const double n = static_cast<double>(rows * cols);
+  const auto n = static_cast<double>(rows * cols);
   set_counters(state, n, 2.0 * n * sizeof(float));
 }
 
@@ -151,7 +152,7 @@ void BM_logsumexp_rows(benchmark::State& state) {
     benchmark::DoNotOptimize(lse.data());
     benchmark::ClobberMemory();
   }
-  const double n = static_cast<double>(rows * cols);
+  const auto n = static_cast<double>(rows * cols);
   set_counters(state, n, (n + static_cast<double>(rows)) * sizeof(float));
 }
 
