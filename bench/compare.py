@@ -28,8 +28,9 @@ Debian's python3-numpy, python3-torch (1.13) and python3-matplotlib; no pip. Ste
    path against nn.MultiheadAttention) before it is timed. A timing is the minimum over
    repeated calls after one warm-up call (at least 3 calls and 1 s, at most 10 calls).
 3. writes <results>/benchmarks.md (one markdown table: implementation x L in GFLOP/s and %
-   of the FMA peak measured in the same run, plus multi-head rows; the machine, load, date,
-   versions and commands), <results>/attention_gflops.svg (GFLOP/s against L, one line per
+   of the FMA peak measured in the same run, plus multi-head rows; the machine, the load
+   average before the run, the cores other processes kept busy during it, date, versions
+   and commands), <results>/attention_gflops.svg (GFLOP/s against L, one line per
    implementation and thread count, the FMA peaks as horizontal lines) and
    <results>/peers.json (the peers' raw timings).
 
