@@ -147,7 +147,6 @@ def run_peers(threads, lengths):
                 timings[name] = {"seconds": seconds, "max_error": error,
                                  "flops_per_second": attention_flops(length) / seconds}
             results["attention"][str(length)] = timings
-            del q, k, v, tq, tk, tv
 
         # Multi-head attention, the tutorial's batch.
         b, s, e, h = MHA["batch"], MHA["seq"], MHA["embed"], MHA["heads"]
