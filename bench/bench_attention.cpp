@@ -1,7 +1,7 @@
 // Benchmarks of scaled dot-product attention: naive, chunked, flash (and flash_portable, the
 // Eigen-tile flash kernel that runs where AVX-512 is not compiled in), each beside Eigen's
-// plain GEMM at the same (Lq x D) x (D x Lk) shape and an FMA peak probe, all in one binary
-// so that every figure can be read as a fraction of this machine's measured peak.
+// plain GEMM at the same (Lq x D) x (D x Lk) shape and the FMA peak probe (common.hpp), all in one
+// binary so that every figure can be read as a fraction of this machine's measured peak.
 //
 //   B * H = 8 heads (B = 1, H = 8), float, Lq = Lk = L, D = Dv.
 //   FLOPs: non-causal 4 * B * H * Lq * Lk * D (two GEMMs of 2 * Lq * Lk * D each); causal
@@ -17,110 +17,20 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include <attn/attention.hpp>
+
+#include "common.hpp"
 
 namespace {
 
 using attn::Index;
 
-bool smoke() {
-  const char* s = std::getenv("ATTN_BENCH_SMOKE");
-  return s != nullptr && std::string(s) == "1";
-}
-
-void set_threads(int threads) {
-#if ATTN_HAS_OPENMP
-  omp_set_num_threads(threads);
-#else
-  (void)threads;
-#endif
-  Eigen::setNbThreads(threads);
-}
-
-// --- FMA peak -------------------------------------------------------------------------
-// 12 independent accumulators of the widest vector: enough to hide the FMA latency (4
-// cycles) on two pipes, all register-resident. FLOPs = 2 per lane per FMA.
-double fma_kernel(std::int64_t iterations) {
-#if defined(__AVX512F__)
-  __m512 acc[12];
-  for (int r = 0; r < 12; ++r)
-    acc[r] = _mm512_set1_ps(static_cast<float>(r) * 1e-3f);
-  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
-  for (std::int64_t n = 0; n < iterations; ++n) {
-    for (int r = 0; r < 12; ++r)
-      acc[r] = _mm512_fmadd_ps(acc[r], a, b);
-  }
-  __m512 sum = acc[0];
-  for (int r = 1; r < 12; ++r)
-    sum = _mm512_add_ps(sum, acc[r]);
-  return static_cast<double>(_mm512_reduce_add_ps(sum));
-#elif defined(__AVX2__)
-  __m256 acc[12];
-  for (int r = 0; r < 12; ++r)
-    acc[r] = _mm256_set1_ps(static_cast<float>(r) * 1e-3f);
-  const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
-  for (std::int64_t n = 0; n < iterations; ++n) {
-    for (int r = 0; r < 12; ++r)
-      acc[r] = _mm256_fmadd_ps(acc[r], a, b);
-  }
-  float lanes[8];
-  __m256 sum = acc[0];
-  for (int r = 1; r < 12; ++r)
-    sum = _mm256_add_ps(sum, acc[r]);
-  _mm256_storeu_ps(lanes, sum);
-  double total = 0;
-  for (float x : lanes)
-    total += static_cast<double>(x);
-  return total;
-#else
-  float acc[12];
-  for (int r = 0; r < 12; ++r)
-    acc[r] = static_cast<float>(r) * 1e-3f;
-  for (std::int64_t n = 0; n < iterations; ++n) {
-    for (float& x : acc)
-      x = std::fma(x, 0.999999f, 1e-7f);
-  }
-  double total = 0;
-  for (float x : acc)
-    total += static_cast<double>(x);
-  return total;
-#endif
-}
-
-constexpr double fma_lanes() {
-#if defined(__AVX512F__)
-  return 16;
-#elif defined(__AVX2__)
-  return 8;
-#else
-  return 1;
-#endif
-}
-
-void BM_fma_peak(benchmark::State& state) {
-  const int threads = static_cast<int>(state.range(0));
-  const std::int64_t iterations = 1 << 22;
-  for (auto _ : state) {
-    double result = 0;
-#if ATTN_HAS_OPENMP
-#pragma omp parallel num_threads(threads) reduction(+ : result)
-#endif
-    result += fma_kernel(iterations);
-    benchmark::DoNotOptimize(result);
-  }
-  state.counters["FLOPS"] =
-      benchmark::Counter(2.0 * 12 * fma_lanes() * static_cast<double>(iterations) * threads,
-                         benchmark::Counter::kIsIterationInvariantRate);
-}
+using attn_bench::set_threads;
+using attn_bench::smoke;
 
 // --- SDPA -----------------------------------------------------------------------------
 constexpr Index kHeads = 8;  // B * H
@@ -278,12 +188,7 @@ void register_all() {
       tiny ? std::vector<std::int64_t>{64} : std::vector<std::int64_t>{64, 128};
   const std::vector<std::int64_t> thread_counts{1, 2};
 
-  benchmark::RegisterBenchmark("fma_peak", BM_fma_peak)
-      ->ArgNames({"threads"})
-      ->Arg(1)
-      ->Arg(2)
-      ->UseRealTime()
-      ->Unit(benchmark::kMillisecond);
+  attn_bench::register_fma_peak();  // the same probe as bench_gemm's
   const auto add = [&](const char* name, auto&& function, bool with_causal) {
     benchmark::RegisterBenchmark(name, function)
         ->ArgNames({"L", "D", "causal", "threads"})
