@@ -22,6 +22,7 @@
 
 #include "attn/config.hpp"
 #include "attn/mask.hpp"
+#include "attn/softmax.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn::detail {
@@ -106,9 +107,9 @@ void flash_attention_tile(const HeadMatrix<const T>& q,  // (Lq, D)
           workspace.alpha(r) = T(1);
           continue;
         }
-        p -= m_new;
-        p = (p == minus_inf).select(T(0), p.exp());  // Eigen's exp(-inf) is a denormal, not 0
-        const T alpha = std::exp(m_old - m_new);     // 0 on the row's first visible tile
+        p = (p - m_new).exp();
+        p -= p.min(flush_below<T>());             // exp(-inf) is not 0 in Eigen: see softmax.hpp
+        const T alpha = std::exp(m_old - m_new);  // 0 on the row's first visible tile
         workspace.alpha(r) = alpha;
         l(r) = l(r) * alpha + p.sum();
         m(r) = m_new;
