@@ -1,5 +1,5 @@
-// Benchmarks of scaled dot-product attention: naive, chunked, flash (and flash_portable, the
-// Eigen-tile flash kernel that runs where AVX-512 is not compiled in), each beside Eigen's
+// Benchmarks of attention: naive, chunked, flash (and flash_portable, the Eigen-tile flash
+// kernel that runs where AVX-512 is not compiled in) and linear attention, beside Eigen's
 // plain GEMM at the same (Lq x D) x (D x Lk) shape and the FMA peak probe (common.hpp), all in one
 // binary so that every figure can be read as a fraction of this machine's measured peak.
 //
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include <attn/attention.hpp>
+#include <attn/linear_attention.hpp>
 
 #include "common.hpp"
 
@@ -156,6 +157,70 @@ void BM_flash_portable(benchmark::State& state) {
   set_threads(1);
 }
 
+// Linear attention (elu + 1, attn/linear_attention.hpp) on the same inputs. FLOPs are the
+// ones it executes (as in bench_linear.cpp): 4 L D Dv + 4 L D per head, plus the causal
+// form's (C, C) intra-chunk blocks; they are not comparable with softmax attention's, the
+// times are. Checked once against the quadratic form, phi(q) phi(k)^T row-normalised times
+// v, on the first 64 queries of head 0.
+void BM_linear(benchmark::State& state) {
+  const Index length = state.range(0), dim = state.range(1);
+  const bool causal = state.range(2) != 0;
+  const int threads = static_cast<int>(state.range(3));
+  set_threads(threads);
+  Inputs inputs(length, dim);
+  attn::LinearAttentionOptions<float> options;
+  options.causal = causal ? attn::Causal::top_left : attn::Causal::none;
+  const auto run = [&] {
+    attn::linear_attention_into<float>(
+        inputs.view(inputs.q), inputs.view(inputs.k), inputs.view(inputs.v),
+        attn::bhld_view(inputs.out.data(), Index(1), kHeads, length, dim), options);
+  };
+  run();
+  {
+    const auto phi = [](const attn::Matrix<double>& x) {  // elu(x) + 1
+      return attn::Matrix<double>(
+          x.unaryExpr([](double e) { return e > 0 ? e + 1 : std::exp(e); }));
+    };
+    const auto head = [&](const std::vector<float>& t) {
+      return attn::Matrix<double>(inputs.view(t).head(0, 0).cast<double>());
+    };
+    const Index rows = std::min<Index>(64, length);
+    const attn::Matrix<double> q = head(inputs.q).topRows(rows), k = head(inputs.k),
+                               v = head(inputs.v);
+    attn::Matrix<double> a = phi(q) * phi(k).transpose();  // (rows, L)
+    if (causal) {
+      for (Index i = 0; i < rows; ++i)
+        a.row(i).tail(length - i - 1).setZero();
+    }
+    const attn::Matrix<double> expected =
+        (a.array().colwise() / a.rowwise().sum().array()).matrix() * v;
+    float worst = 0;
+    for (Index i = 0; i < rows; ++i) {
+      for (Index e = 0; e < dim; ++e) {
+        worst = std::max(
+            worst, static_cast<float>(std::abs(inputs.out[static_cast<std::size_t>(i * dim + e)] -
+                                               expected(i, e))));
+      }
+    }
+    if (!(worst < 1e-4f)) {
+      state.SkipWithError(("differs from the quadratic form by " + std::to_string(worst)).c_str());
+      return;
+    }
+  }
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(inputs.out.data());
+    benchmark::ClobberMemory();
+  }
+  const double l = static_cast<double>(length), d = static_cast<double>(dim);
+  double per_head = 4 * l * d * d + 4 * l * d;
+  if (causal)
+    per_head += l * static_cast<double>(attn::default_linear_chunk) * (4 * d + 1);
+  state.counters["FLOPS"] = benchmark::Counter(static_cast<double>(kHeads) * per_head,
+                                               benchmark::Counter::kIsIterationInvariantRate);
+  set_threads(1);
+}
+
 // Eigen's plain GEMM at one head's shape: (Lq x D) x (D x Lk) -> (Lq x Lk), row-major, as
 // many times as there are heads, so its FLOPs equal half of the non-causal attention's.
 void BM_gemm(benchmark::State& state) {
@@ -206,6 +271,7 @@ void register_all() {
   add(
       "flash", [](benchmark::State& s) { BM_sdpa(s, attn::Algorithm::flash); }, true);
   add("flash_portable", BM_flash_portable, true);
+  add("linear", BM_linear, true);
 }
 
 }  // namespace
