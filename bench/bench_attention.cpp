@@ -81,9 +81,8 @@ void BM_sdpa(benchmark::State& state, attn::Algorithm algorithm) {
     std::vector<float> reference(inputs.out.size());
     inputs.run(attn::Algorithm::naive, causal, reference);
     inputs.run(algorithm, causal, inputs.out);
-    float worst = 0;
-    for (std::size_t n = 0; n < reference.size(); ++n)
-      worst = std::max(worst, std::abs(reference[n] - inputs.out[n]));
+    const float worst =
+        attn_bench::max_abs_diff(reference.data(), inputs.out.data(), reference.size());
     if (!(worst < 1e-4f)) {
       state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
       return;
@@ -140,9 +139,8 @@ void BM_flash_portable(benchmark::State& state) {
   std::vector<float> reference(inputs.out.size());
   inputs.run(attn::Algorithm::naive, causal, reference);
   run();
-  float worst = 0;
-  for (std::size_t n = 0; n < reference.size(); ++n)
-    worst = std::max(worst, std::abs(reference[n] - inputs.out[n]));
+  const float worst =
+      attn_bench::max_abs_diff(reference.data(), inputs.out.data(), reference.size());
   if (!(worst < 1e-4f)) {
     state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
     return;

@@ -18,34 +18,22 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <random>
 #include <string>
 #include <vector>
 
 #include <attn/attention.hpp>
 #include <attn/linear_attention.hpp>
 
+#include "common.hpp"
+
 namespace {
 
 using attn::Index;
+using attn_bench::set_threads;
+using attn_bench::smoke;
 
 constexpr Index kHeads = 8;  // B * H
 constexpr Index kDim = 64;   // D = Dv
-
-bool smoke() {
-  const char* s = std::getenv("ATTN_BENCH_SMOKE");
-  return s != nullptr && std::string(s) == "1";
-}
-
-void set_threads(int threads) {
-#if ATTN_HAS_OPENMP
-  omp_set_num_threads(threads);
-#else
-  (void)threads;
-#endif
-  Eigen::setNbThreads(threads);
-}
 
 struct Inputs {
   std::vector<float> q, k, v, out;  // (1, 8, L, D) each
@@ -56,11 +44,9 @@ struct Inputs {
     k.resize(n);
     v.resize(n);
     out.assign(n, 0.0f);
-    std::mt19937 rng(42u);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (std::vector<float>* t : {&q, &k, &v})
-      for (float& x : *t)
-        x = normal(rng);
+    attn_bench::fill_normal(q, 1u);
+    attn_bench::fill_normal(k, 2u);
+    attn_bench::fill_normal(v, 3u);
   }
   attn::HeadsView<const float> view(const std::vector<float>& t) const {
     return attn::bhld_view(t.data(), Index(1), kHeads, length, kDim);
