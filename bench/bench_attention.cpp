@@ -175,23 +175,12 @@ void BM_linear(benchmark::State& state) {
   };
   run();
   {
-    const auto phi = [](const attn::Matrix<double>& x) {  // elu(x) + 1
-      return attn::Matrix<double>(
-          x.unaryExpr([](double e) { return e > 0 ? e + 1 : std::exp(e); }));
-    };
     const auto head = [&](const std::vector<float>& t) {
-      return attn::Matrix<double>(inputs.view(t).head(0, 0).cast<double>());
+      return attn_bench::MatrixD(inputs.view(t).head(0, 0).cast<double>());
     };
     const Index rows = std::min<Index>(64, length);
-    const attn::Matrix<double> q = head(inputs.q).topRows(rows), k = head(inputs.k),
-                               v = head(inputs.v);
-    attn::Matrix<double> a = phi(q) * phi(k).transpose();  // (rows, L)
-    if (causal) {
-      for (Index i = 0; i < rows; ++i)
-        a.row(i).tail(length - i - 1).setZero();
-    }
-    const attn::Matrix<double> expected =
-        (a.array().colwise() / a.rowwise().sum().array()).matrix() * v;
+    const attn_bench::MatrixD expected = attn_bench::linear_attention_quadratic(
+        head(inputs.q), head(inputs.k), head(inputs.v), causal, rows);
     float worst = 0;
     for (Index i = 0; i < rows; ++i) {
       for (Index e = 0; e < dim; ++e) {

@@ -4,6 +4,7 @@
 //   set_threads(n)     OpenMP and Eigen thread counts, together
 //   fill_normal(v, s)  N(0, 1) floats from a fixed seed
 //   max_abs_diff(a, b) worst |a - b| of two equally long float sequences
+//   linear_attention_quadratic  linear attention's O(L^2) reference form, in double
 //   register_fma_peak  the FMA peak probe, "fma_peak/threads:{1,2}": every binary that
 //                      reports a fraction of peak registers this same probe, so that the
 //                      ceiling and the figure come from one run and one piece of code.
@@ -55,6 +56,27 @@ inline float max_abs_diff(const float* a, const float* b, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i)
     worst = std::max(worst, std::abs(a[i] - b[i]));
   return worst;
+}
+
+using MatrixD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// Linear attention (elu + 1 features, eps 1e-6) for the first `rows` queries of one head in
+/// its quadratic form, the reference the benchmarks check against before timing:
+/// A = phi(q) phi(k)^T with keys j > i hidden when causal, rows normalised, times v.
+inline MatrixD linear_attention_quadratic(const MatrixD& q,                  // (L, D)
+                                          const MatrixD& k,                  // (L, D)
+                                          const MatrixD& v,                  // (L, Dv)
+                                          bool causal, Eigen::Index rows) {  // -> (rows, Dv)
+  const auto phi = [](const MatrixD& x) {
+    return MatrixD(x.unaryExpr([](double t) { return t > 0 ? t + 1 : std::exp(t); }));
+  };
+  MatrixD a = phi(q.topRows(rows)) * phi(k).transpose();  // (rows, L)
+  if (causal) {
+    for (Eigen::Index i = 0; i < rows; ++i)
+      a.row(i).tail(a.cols() - i - 1).setZero();
+  }
+  const Eigen::VectorXd denominator = a.rowwise().sum().array() + 1e-6;
+  return denominator.cwiseInverse().asDiagonal() * (a * v);
 }
 
 // --- FMA peak -------------------------------------------------------------------------
