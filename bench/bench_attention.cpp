@@ -1,5 +1,6 @@
 // Benchmarks of attention: naive, chunked, flash (and flash_portable, the Eigen-tile flash
-// kernel that runs where AVX-512 is not compiled in) and linear attention, beside Eigen's
+// kernel that runs where AVX-512 is not compiled in; flash_kv_half and flash_kv_bfloat16,
+// flash against 16-bit keys and values) and linear attention, beside Eigen's
 // plain GEMM at the same (Lq x D) x (D x Lk) shape and the FMA peak probe (common.hpp), all in one
 // binary so that every figure can be read as a fraction of this machine's measured peak.
 //
@@ -98,6 +99,52 @@ void BM_sdpa(benchmark::State& state, attn::Algorithm algorithm) {
   set_threads(1);
 }
 
+// Prefill against 16-bit keys and values: float q and out, k and v stored as S (half or
+// bfloat16) and widened tile by tile inside the flash kernel. Same FLOPs as "flash"; the
+// widening is the extra cost (the target: at most 15% over float at L = 4096).
+template <class S>
+void BM_flash_kv16(benchmark::State& state) {
+  const Index length = state.range(0), dim = state.range(1);
+  const bool causal = state.range(2) != 0;
+  const int threads = static_cast<int>(state.range(3));
+  set_threads(threads);
+  Inputs inputs(length, dim);
+  std::vector<S> k16(inputs.k.size()), v16(inputs.v.size());
+  for (std::size_t i = 0; i < k16.size(); ++i) {
+    k16[i] = static_cast<S>(inputs.k[i]);
+    v16[i] = static_cast<S>(inputs.v[i]);
+    inputs.k[i] = static_cast<float>(k16[i]);  // the float run sees the same values
+    inputs.v[i] = static_cast<float>(v16[i]);
+  }
+  attn::AttentionOptions<float> options;
+  options.algorithm = attn::Algorithm::flash;
+  options.causal = causal ? attn::Causal::top_left : attn::Causal::none;
+  const auto view16 = [&](const std::vector<S>& t) {
+    return attn::bhld_view(t.data(), Index(1), kHeads, length, dim);
+  };
+  const auto out = attn::bhld_view(inputs.out.data(), Index(1), kHeads, length, dim);
+  const auto run = [&] {
+    attn::scaled_dot_product_attention_into(inputs.view(inputs.q), view16(k16), view16(v16), out,
+                                            options);
+  };
+  // Widening tile by tile must give the bits of the float kernel on the widened values.
+  std::vector<float> reference(inputs.out.size());
+  inputs.run(attn::Algorithm::flash, causal, reference);
+  run();
+  if (reference != inputs.out) {
+    state.SkipWithError("16-bit k/v result differs from float flash on the same values");
+    return;
+  }
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(inputs.out.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] = benchmark::Counter(attention_flops(length, dim, causal),
+                                               benchmark::Counter::kIsIterationInvariantRate);
+  set_threads(1);
+}
+
 // The portable flash kernel (kernels/flash.hpp: Eigen GEMMs on tiles), which is what float
 // runs without AVX-512 and what double always runs; driven like the library drives it, with
 // the default tiles, so that its ratio to "flash" shows what the AVX-512 kernel brings.
@@ -128,11 +175,11 @@ void BM_flash_portable(benchmark::State& state) {
 #endif
       for (Index item = 0; item < kHeads * tiles; ++item) {
         const Index h = item / tiles, tile = tiles - 1 - item % tiles;
-        const Index i0 = tile * query_tile, i1 = std::min(i0 + query_tile, length);
-        attn::HeadMatrix<float> head_out = out.head(0, h);
-        attn::detail::flash_attention_tile<float>(q.head(0, h), k.head(0, h), v.head(0, h),
-                                                  head_out, mask, 0, h, scale, i0, i1, key_tile,
-                                                  workspace, nullptr);
+        const Index i0 = tile * query_tile, rows = std::min(query_tile, length - i0);
+        attn::detail::flash_attention_tile<float>(attn::middle_rows(q.head(0, h), i0, rows),
+                                                  k.head(0, h), v.head(0, h),
+                                                  attn::middle_rows(out.head(0, h), i0, rows), mask,
+                                                  0, h, scale, i0, key_tile, workspace, nullptr);
       }
     }
   };
@@ -258,6 +305,8 @@ void register_all() {
   add(
       "flash", [](benchmark::State& s) { BM_sdpa(s, attn::Algorithm::flash); }, true);
   add("flash_portable", BM_flash_portable, true);
+  add("flash_kv_half", BM_flash_kv16<Eigen::half>, true);
+  add("flash_kv_bfloat16", BM_flash_kv16<Eigen::bfloat16>, true);
   add("linear", BM_linear, true);
 }
 

@@ -33,6 +33,7 @@
 #include "attn/kernels/flash_avx512.hpp"
 #include "attn/kernels/naive.hpp"
 #include "attn/mask.hpp"
+#include "attn/precision.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn {
@@ -80,9 +81,9 @@ struct AttentionOptions {
 
 namespace detail {
 
-template <class T>
-void check_attention_shapes(const char* function, const HeadsView<const T>& q,
-                            const HeadsView<const T>& k, const HeadsView<const T>& v) {
+template <class TQ, class TKV>
+void check_attention_shapes(const char* function, const HeadsView<const TQ>& q,
+                            const HeadsView<const TKV>& k, const HeadsView<const TKV>& v) {
   const auto shapes = [&] {
     return "q is " + shape_string({q.batch, q.heads, q.length, q.dim}) + ", k is " +
            shape_string({k.batch, k.heads, k.length, k.dim}) + ", v is " +
@@ -151,37 +152,44 @@ T resolve_scale(const char* function, const std::optional<T>& scale, Index dim) 
 
 }  // namespace detail
 
-/// Attention on (B, H, L, D) views, written into `out` (B, Hq, Lq, Dv), which may be any
-/// strided view (e.g. (B, Lq, Hq, Dv) memory, so that heads are already merged).
-/// Optional outputs: `weights` (B, Hq, Lq, Lk) and `logsumexp` (B, Hq, Lq), contiguous.
-template <class T>
-void scaled_dot_product_attention_into(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
-                                       const HeadsView<const T>& k,  // (B, Hkv, Lk, D)
-                                       const HeadsView<const T>& v,  // (B, Hkv, Lk, Dv)
-                                       const HeadsView<T>& out,      // (B, Hq, Lq, Dv)
-                                       const AttentionOptions<T>& options = {},
-                                       T* weights = nullptr,    // (B, Hq, Lq, Lk) or null
-                                       T* logsumexp = nullptr)  // (B, Hq, Lq) or null
-{
+namespace detail {
+
+/// The implementation of scaled_dot_product_attention_into for q stored as TQ, k and v as
+/// TKV and out as TO; the arithmetic runs in T = compute_scalar_t<TQ>. 16-bit operands are
+/// widened as the kernels read them (flash: tile by tile; naive and chunked: once per head).
+template <class TQ, class TKV, class TO>
+void attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
+                    const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
+                    const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
+                    const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
+                    const AttentionOptions<compute_scalar_t<TQ>>& options,
+                    compute_scalar_t<TQ>* weights,      // (B, Hq, Lq, Lk) or null
+                    compute_scalar_t<TQ>* logsumexp) {  // (B, Hq, Lq) or null
+  using T = compute_scalar_t<TQ>;
+  static_assert(is_storage_scalar_v<TQ> && is_storage_scalar_v<TKV> && is_storage_scalar_v<TO>,
+                "scaled_dot_product_attention: scalars must be float, double, Eigen::half or "
+                "Eigen::bfloat16");
+  static_assert(std::is_same_v<T, compute_scalar_t<TKV>> && std::is_same_v<T, compute_scalar_t<TO>>,
+                "scaled_dot_product_attention: double cannot be mixed with other scalars");
   constexpr const char* function = "scaled_dot_product_attention";
-  detail::check_attention_shapes(function, q, k, v);
+  check_attention_shapes(function, q, k, v);
   if (out.batch != q.batch || out.heads != q.heads || out.length != q.length || out.dim != v.dim) {
-    detail::throw_invalid_argument(
-        function, "out is " + detail::shape_string({out.batch, out.heads, out.length, out.dim}) +
-                      " but must be " + detail::shape_string({q.batch, q.heads, q.length, v.dim}) +
-                      " (B, Hq, Lq, Dv)");
+    throw_invalid_argument(function,
+                           "out is " + shape_string({out.batch, out.heads, out.length, out.dim}) +
+                               " but must be " + shape_string({q.batch, q.heads, q.length, v.dim}) +
+                               " (B, Hq, Lq, Dv)");
   }
-  const T scale = detail::resolve_scale(function, options.scale, q.dim);
+  const T scale = resolve_scale(function, options.scale, q.dim);
   const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options.causal, options.window,
                      options.key_lengths, options.keep_mask, options.bias, options.alibi_slopes,
                      options.softcap);
 
-  const Algorithm algorithm = detail::resolve_algorithm(function, options.algorithm,
-                                                        weights != nullptr, q.length, k.length);
+  const Algorithm algorithm =
+      resolve_algorithm(function, options.algorithm, weights != nullptr, q.length, k.length);
   if (options.query_tile < 0 || options.key_tile < 0) {
-    detail::throw_invalid_argument(
-        function, "query_tile is " + std::to_string(options.query_tile) + " and key_tile is " +
-                      std::to_string(options.key_tile) + ": tile sizes must be >= 0 (0 = default)");
+    throw_invalid_argument(function, "query_tile is " + std::to_string(options.query_tile) +
+                                         " and key_tile is " + std::to_string(options.key_tile) +
+                                         ": tile sizes must be >= 0 (0 = default)");
   }
 
   const Index batch = q.batch, q_heads = q.heads, q_length = q.length, k_length = k.length;
@@ -197,6 +205,9 @@ void scaled_dot_product_attention_into(const HeadsView<const T>& q,  // (B, Hq, 
 #endif
     {
       Matrix<T> workspace;  // one per thread, reused across heads
+      WidenedHead<T, TQ> q_head;
+      WidenedHead<T, TKV> k_head, v_head;
+      NarrowedRows<T, TO> out_rows;
 #if ATTN_HAS_OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
@@ -205,9 +216,10 @@ void scaled_dot_product_attention_into(const HeadsView<const T>& q,  // (B, Hq, 
         const Index h = item % q_heads;
         T* head_weights = weights != nullptr ? weights + item * q_length * k_length : nullptr;
         T* head_lse = logsumexp != nullptr ? logsumexp + item * q_length : nullptr;
-        detail::naive_attention_head<T>(q.head(b, h), k.head(b, h / group), v.head(b, h / group),
-                                        out.head(b, h), mask, b, h, scale, workspace, head_weights,
-                                        head_lse);
+        naive_attention_head<T>(q_head(q, b, h), k_head(k, b, h / group), v_head(v, b, h / group),
+                                out_rows.rows(out.head(b, h), 0, q_length), mask, b, h, scale,
+                                workspace, head_weights, head_lse);
+        out_rows.store(out.head(b, h), 0, q_length);
       }
     }
     return;
@@ -224,24 +236,27 @@ void scaled_dot_product_attention_into(const HeadsView<const T>& q,  // (B, Hq, 
   const Index key_tile = options.key_tile > 0 ? options.key_tile : default_key_tile;
   const Index q_tiles = q_length == 0 ? 0 : (q_length + query_tile - 1) / query_tile;
   const Index work_items = batch * q_heads * q_tiles;
+  constexpr bool widens_kv = !std::is_same_v<TKV, T>;
 #if ATTN_HAS_OPENMP
 #pragma omp parallel if (work_items > 1 && flops > 1e6)
 #endif
   {
     // One workspace per thread, allocated once per call.
-    detail::FlashWorkspace<T> flash_workspace;
+    FlashWorkspace<T> flash_workspace;
 #if ATTN_HAS_AVX512_FLASH
-    detail::avx512::FlashWorkspace avx512_workspace;
+    avx512::FlashWorkspace avx512_workspace;
 #endif
-    Matrix<T> chunk_workspace;
+    Matrix<T> chunk_workspace, q_rows_buffer;
+    WidenedHead<T, TKV> k_head, v_head;  // chunked only: flash widens k and v tile by tile
+    NarrowedRows<T, TO> out_rows;
     if (flash) {
       const Index rows = std::min(query_tile, q_length), keys = std::min(key_tile, k_length);
 #if ATTN_HAS_AVX512_FLASH
       if constexpr (std::is_same_v<T, float>)
-        avx512_workspace.reserve(rows, keys, q.dim, v.dim);
+        avx512_workspace.reserve(rows, keys, q.dim, v.dim, widens_kv);
       else
 #endif
-        flash_workspace.reserve(rows, keys, q.dim, v.dim);
+        flash_workspace.reserve(rows, keys, q.dim, v.dim, widens_kv);
     }
 #if ATTN_HAS_OPENMP
 #pragma omp for schedule(dynamic, 1)
@@ -252,60 +267,98 @@ void scaled_dot_product_attention_into(const HeadsView<const T>& q,  // (B, Hq, 
       const Index h = head_item % q_heads;
       const Index tile = q_tiles - 1 - item % q_tiles;
       const Index i0 = tile * query_tile;
-      const Index i1 = std::min(i0 + query_tile, q_length);
-      T* head_lse = logsumexp != nullptr ? logsumexp + head_item * q_length : nullptr;
-      HeadMatrix<T> head_out = out.head(b, h);
+      const Index rows = std::min(i0 + query_tile, q_length) - i0;
+      T* tile_lse = logsumexp != nullptr ? logsumexp + head_item * q_length + i0 : nullptr;
+      const HeadMatrix<const T> q_rows = rows_as<T, TQ>(q.head(b, h), i0, rows, q_rows_buffer);
+      const HeadMatrix<T> tile_out = out_rows.rows(out.head(b, h), i0, rows);
       if (flash) {
 #if ATTN_HAS_AVX512_FLASH
         if constexpr (std::is_same_v<T, float>) {
-          detail::avx512::flash_attention_tile(
-              q.head(b, h), k.head(b, h / group), v.head(b, h / group), head_out, mask, b, h, scale,
-              i0, i1, std::min(key_tile, k_length), avx512_workspace, head_lse);
-          continue;
-        }
+          avx512::flash_attention_tile<TKV>(
+              q_rows, k.head(b, h / group), v.head(b, h / group), tile_out, mask, b, h, scale, i0,
+              std::min(key_tile, k_length), avx512_workspace, tile_lse);
+        } else
 #endif
-        detail::flash_attention_tile<T>(q.head(b, h), k.head(b, h / group), v.head(b, h / group),
-                                        head_out, mask, b, h, scale, i0, i1,
-                                        std::min(key_tile, k_length), flash_workspace, head_lse);
+        {
+          flash_attention_tile<T, TKV>(q_rows, k.head(b, h / group), v.head(b, h / group), tile_out,
+                                       mask, b, h, scale, i0, std::min(key_tile, k_length),
+                                       flash_workspace, tile_lse);
+        }
       } else {
-        detail::chunked_attention_block<T>(q.head(b, h), k.head(b, h / group), v.head(b, h / group),
-                                           head_out, mask, b, h, scale, i0, i1, chunk_workspace,
-                                           head_lse);
+        chunked_attention_block<T>(q_rows, k_head(k, b, h / group), v_head(v, b, h / group),
+                                   tile_out, mask, b, h, scale, i0, chunk_workspace, tile_lse);
       }
+      out_rows.store(out.head(b, h), i0, rows);
     }
   }
 }
 
+}  // namespace detail
+
+/// Attention on (B, H, L, D) views, written into `out` (B, Hq, Lq, Dv), which may be any
+/// strided view (e.g. (B, Lq, Hq, Dv) memory, so that heads are already merged).
+/// Optional outputs: `weights` (B, Hq, Lq, Lk) and `logsumexp` (B, Hq, Lq), contiguous, in
+/// the compute scalar (float for 16-bit data).
+template <class T>
+void scaled_dot_product_attention_into(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
+                                       const HeadsView<const T>& k,  // (B, Hkv, Lk, D)
+                                       const HeadsView<const T>& v,  // (B, Hkv, Lk, Dv)
+                                       const HeadsView<T>& out,      // (B, Hq, Lq, Dv)
+                                       const AttentionOptions<compute_scalar_t<T>>& options = {},
+                                       compute_scalar_t<T>* weights = nullptr,    // or null
+                                       compute_scalar_t<T>* logsumexp = nullptr)  // or null
+{
+  detail::attention_into<T, T, T>(q, k, v, out, options, weights, logsumexp);
+}
+
+/// Mixed storage, e.g. float q and out against a 16-bit KV cache: q as TQ, k and v as TKV,
+/// out as TO, all with the same compute scalar (double mixes with nothing).
+template <class TQ, class TKV, class TO,
+          class = std::enable_if_t<!(std::is_same_v<TQ, TKV> && std::is_same_v<TQ, TO>)>>
+void scaled_dot_product_attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
+                                       const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
+                                       const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
+                                       const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
+                                       const AttentionOptions<compute_scalar_t<TQ>>& options = {},
+                                       compute_scalar_t<TQ>* weights = nullptr,    // or null
+                                       compute_scalar_t<TQ>* logsumexp = nullptr)  // or null
+{
+  detail::attention_into<TQ, TKV, TO>(q, k, v, out, options, weights, logsumexp);
+}
+
 /// Batched attention on rank-4 row-major tensors or tensor maps (B, H, L, D).
-/// Returns out (B, Hq, Lq, Dv); fills `weights` (B, Hq, Lq, Lk) and `logsumexp` (B, Hq, Lq)
-/// when given.
-template <class TQ, class TK, class TV,
+/// Returns out (B, Hq, Lq, Dv) stored as `Out` (default: q's scalar; e.g.
+/// `scaled_dot_product_attention<float>(q, k, v)` for float output from half inputs); fills
+/// `weights` (B, Hq, Lq, Lk) and `logsumexp` (B, Hq, Lq) in the compute scalar when given.
+/// k and v share one scalar; q may differ (float queries against a half cache).
+template <class Out = void, class TQ, class TK, class TV,
           class = std::enable_if_t<detail::is_rank4_tensor_v<TQ> && detail::is_rank4_tensor_v<TK> &&
                                    detail::is_rank4_tensor_v<TV>>>
-Tensor<detail::rank4_scalar_t<TQ>, 4> scaled_dot_product_attention(
+auto scaled_dot_product_attention(
     const TQ& q,  // (B, Hq, Lq, D)
     const TK& k,  // (B, Hkv, Lk, D)
     const TV& v,  // (B, Hkv, Lk, Dv)
-    const AttentionOptions<detail::rank4_scalar_t<TQ>>& options = {},
-    Tensor<detail::rank4_scalar_t<TQ>, 4>* weights = nullptr,    // (B, Hq, Lq, Lk)
-    Tensor<detail::rank4_scalar_t<TQ>, 3>* logsumexp = nullptr)  // (B, Hq, Lq)
+    const AttentionOptions<compute_scalar_t<detail::rank4_scalar_t<TQ>>>& options = {},
+    Tensor<compute_scalar_t<detail::rank4_scalar_t<TQ>>, 4>* weights = nullptr,  // (B, Hq, Lq, Lk)
+    Tensor<compute_scalar_t<detail::rank4_scalar_t<TQ>>, 3>* logsumexp = nullptr)  // (B, Hq, Lq)
 {
-  using T = detail::rank4_scalar_t<TQ>;
-  static_assert(std::is_same_v<T, detail::rank4_scalar_t<TK>> &&
-                    std::is_same_v<T, detail::rank4_scalar_t<TV>>,
-                "scaled_dot_product_attention: q, k and v must have the same scalar type");
-  const HeadsView<const T> qv = detail::as_heads_view(q);
-  const HeadsView<const T> kv = detail::as_heads_view(k);
-  const HeadsView<const T> vv = detail::as_heads_view(v);
+  using SQ = detail::rank4_scalar_t<TQ>;
+  using SKV = detail::rank4_scalar_t<TK>;
+  using SO = std::conditional_t<std::is_void_v<Out>, SQ, Out>;
+  static_assert(std::is_same_v<SKV, detail::rank4_scalar_t<TV>>,
+                "scaled_dot_product_attention: k and v must have the same scalar type");
+  const HeadsView<const SQ> qv = detail::as_heads_view(q);
+  const HeadsView<const SKV> kv = detail::as_heads_view(k);
+  const HeadsView<const SKV> vv = detail::as_heads_view(v);
   detail::check_attention_shapes("scaled_dot_product_attention", qv, kv, vv);
-  Tensor<T, 4> out(qv.batch, qv.heads, qv.length, vv.dim);
+  Tensor<SO, 4> out(qv.batch, qv.heads, qv.length, vv.dim);
   if (weights != nullptr)
     weights->resize(qv.batch, qv.heads, qv.length, kv.length);
   if (logsumexp != nullptr)
     logsumexp->resize(qv.batch, qv.heads, qv.length);
-  scaled_dot_product_attention_into<T>(qv, kv, vv, bhld_view(out), options,
-                                       weights != nullptr ? weights->data() : nullptr,
-                                       logsumexp != nullptr ? logsumexp->data() : nullptr);
+  detail::attention_into<SQ, SKV, SO>(qv, kv, vv, bhld_view(out), options,
+                                      weights != nullptr ? weights->data() : nullptr,
+                                      logsumexp != nullptr ? logsumexp->data() : nullptr);
   return out;
 }
 
@@ -318,9 +371,9 @@ Matrix<typename DQ::Scalar> scaled_dot_product_attention(
     const Eigen::MatrixBase<DQ>& q,  // (Lq, D)
     const Eigen::MatrixBase<DK>& k,  // (Lk, D)
     const Eigen::MatrixBase<DV>& v,  // (Lk, Dv)
-    const AttentionOptions<typename DQ::Scalar>& options = {},
-    Matrix<typename DQ::Scalar>* weights = nullptr,    // (Lq, Lk)
-    Vector<typename DQ::Scalar>* logsumexp = nullptr)  // (Lq)
+    const AttentionOptions<compute_scalar_t<typename DQ::Scalar>>& options = {},
+    Matrix<compute_scalar_t<typename DQ::Scalar>>* weights = nullptr,    // (Lq, Lk)
+    Vector<compute_scalar_t<typename DQ::Scalar>>* logsumexp = nullptr)  // (Lq)
 {
   using T = typename DQ::Scalar;
   static_assert(std::is_same_v<T, typename DK::Scalar> && std::is_same_v<T, typename DV::Scalar>,

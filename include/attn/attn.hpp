@@ -8,6 +8,7 @@
 #include "attn/linear_attention.hpp"
 #include "attn/mask.hpp"
 #include "attn/multihead.hpp"
+#include "attn/precision.hpp"
 #include "attn/projection.hpp"
 #include "attn/score_modifiers.hpp"
 #include "attn/softmax.hpp"

@@ -46,6 +46,15 @@ using HeadMatrix = Eigen::Map<
     std::conditional_t<std::is_const_v<T>, const Matrix<std::remove_const_t<T>>, Matrix<T>>,
     Eigen::Unaligned, Eigen::OuterStride<>>;
 
+/// Rows [first, first + count) of a head matrix, as a head matrix (Eigen's middleRows() is a
+/// Block expression, which the kernels' HeadMatrix parameters do not accept).
+template <class HeadMatrixT>  // HeadMatrix<T> or HeadMatrix<const T>
+HeadMatrixT middle_rows(HeadMatrixT m, Index first, Index count) {
+  ATTN_ASSERT(first >= 0 && count >= 0 && first + count <= m.rows());
+  return HeadMatrixT(m.data() + first * m.outerStride(), count, m.cols(),
+                     Eigen::OuterStride<>(m.outerStride()));
+}
+
 /// A (B, H, L, D) view over strided memory: free strides for B, H and L, unit stride for D.
 /// `T` is `const S` for inputs and `S` for outputs. Non-owning: the memory must outlive it.
 template <class T>

@@ -5,8 +5,10 @@
 //   s block  (Bq, Lk')   scores then weights of the block, Lk' <= Lk, in the workspace
 //
 // Extra memory per thread: one (Bq, Lk) block, i.e. O(Bq * Lk) instead of the naive
-// kernel's O(Lq * Lk). The block's key range is cut to the union of its rows' visible
-// intervals, so a causal mask or a window also saves work here (not as finely as flash).
+// kernel's O(Lq * Lk). With 16-bit inputs add a widened (Bq, D + Dv) q and output block
+// and a (Lk, D + Dv) k and v head per thread, widened once per head. The block's key range is cut
+// to the union of its rows' visible intervals, so a causal mask or a window also saves work here
+// (not as finely as flash).
 #pragma once
 
 #include <algorithm>
@@ -21,45 +23,47 @@
 
 namespace attn::detail {
 
-/// Chunked attention for queries [i0, i1) of one (batch b, query head h) pair.
+/// Chunked attention for queries [i0, i0 + rows) of one (batch b, query head h) pair, whose
+/// rows of q and out are given.
 ///   pass 1: s = scale * q[i0:i1] k[first:last]^T    one GEMM, scale folded into its alpha
 ///   pass 2: mask s unless the block is fully visible (then only add the bias, if any)
 ///   pass 3: row softmax of s in place, keeping each row's log-sum-exp
 ///   pass 4: out[i0:i1] = s v[first:last]             one GEMM
 /// `workspace` is resized to at most (i1 - i0, Lk) and reused between calls.
 template <class T>
-void chunked_attention_block(const HeadMatrix<const T>& q,  // (Lq, D)
-                             const HeadMatrix<const T>& k,  // (Lk, D)
+void chunked_attention_block(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
+                             const HeadMatrix<const T>& k,  // (Lk, D)    the whole head
                              const HeadMatrix<const T>& v,  // (Lk, Dv)
-                             HeadMatrix<T>& out,            // (Lq, Dv), rows [i0, i1) written
-                             const Mask<T>& mask, Index b, Index h, T scale, Index i0, Index i1,
+                             HeadMatrix<T> out,             // (rows, Dv) written
+                             const Mask<T>& mask, Index b, Index h, T scale, Index i0,
                              Matrix<T>& workspace,  // grows to (Bq, Lk)
-                             T* logsumexp) {        // (Lq) or null, rows [i0, i1) written
+                             T* logsumexp) {        // (rows) or null
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-  const Index rows = i1 - i0;
+  const Index rows = q.rows();
+  const Index i1 = i0 + rows;
   const auto [first, last] = mask.key_range(b, i0, i1);
   const Index cols = last - first;
   const TileVisibility visibility =
       cols == 0 ? TileVisibility::hidden : mask.classify(b, h, i0, i1, first, last);
   if (visibility == TileVisibility::hidden) {
-    out.middleRows(i0, rows).setZero();
+    out.setZero();
     if (logsumexp != nullptr)
-      std::fill(logsumexp + i0, logsumexp + i1, minus_inf);
+      std::fill(logsumexp, logsumexp + rows, minus_inf);
     return;
   }
   if (workspace.size() < rows * cols)
     workspace.resize(rows, cols);
   Eigen::Map<Matrix<T>> s(workspace.data(), rows, cols);
 
-  s.noalias() = scale * (q.middleRows(i0, rows) * k.middleRows(first, cols).transpose());  // 1
+  s.noalias() = scale * (q * k.middleRows(first, cols).transpose());  // pass 1
   if (visibility == TileVisibility::partial || mask.modifies_scores())
     mask.apply(b, h, i0, first, s);   // 2
   for (Index r = 0; r < rows; ++r) {  // pass 3
     const T lse = softmax_in_place(s.row(r).data(), cols);
     if (logsumexp != nullptr)
-      logsumexp[i0 + r] = lse;
+      logsumexp[r] = lse;
   }
-  out.middleRows(i0, rows).noalias() = s * v.middleRows(first, cols);  // pass 4
+  out.noalias() = s * v.middleRows(first, cols);  // pass 4
 }
 
 }  // namespace attn::detail

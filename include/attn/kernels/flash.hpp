@@ -2,12 +2,14 @@
 //
 //   q tile   (Bq, D)    rows [i0, i1) of one (b, h) head, pre-scaled into the workspace
 //   k tile   (Bk, D)    read in place through the strided head view, not transposed, not copied
-//   v tile   (Bk, Dv)   read in place
+//                       (16-bit keys are widened into the workspace tile by tile)
+//   v tile   (Bk, Dv)   read in place (or widened, like k)
 //   s tile   (Bq, Bk)   scores, then probabilities, in the workspace
 //   acc      (Bq, Dv)   rescaled output accumulator, in the workspace
 //   m, l     (Bq)       running max and running sum of each row
 //
-// Extra memory per thread: Bq * (D + Bk + Dv + 3) scalars, independent of Lq and Lk; the
+// Extra memory per thread: Bq * (D + Bk + Dv + 3) scalars, plus Bk * (D + Dv) when k and v
+// are stored in 16 bits; independent of Lq and Lk. The
 // (Lq, Lk) scores never exist. Tiles the mask hides entirely are skipped without any
 // arithmetic (a causal mask does about half the work, a window O(L * window)); tiles it
 // shows entirely skip mask evaluation (only a bias, if any, is added).
@@ -22,6 +24,7 @@
 
 #include "attn/config.hpp"
 #include "attn/mask.hpp"
+#include "attn/precision.hpp"
 #include "attn/softmax.hpp"
 #include "attn/tensor.hpp"
 
@@ -36,8 +39,15 @@ struct FlashWorkspace {
   Vector<T> m;      // (Bq)      running max
   Vector<T> l;      // (Bq)      running sum of exp(score - m)
   Vector<T> alpha;  // (Bq)    rescale factor of the current key tile
+  Matrix<T> k;      // (Bk, D)   widened key tile (16-bit storage only)
+  Matrix<T> v;      // (Bk, Dv)  widened value tile (16-bit storage only)
 
-  void reserve(Index query_tile, Index key_tile, Index dim, Index value_dim) {
+  void reserve(Index query_tile, Index key_tile, Index dim, Index value_dim,
+               bool widens_kv = false) {
+    if (widens_kv) {
+      k.resize(key_tile, dim);
+      v.resize(key_tile, value_dim);
+    }
     q.resize(query_tile, dim);
     s.resize(query_tile, key_tile);
     acc.resize(query_tile, value_dim);
@@ -47,7 +57,8 @@ struct FlashWorkspace {
   }
 };
 
-/// Flash attention for queries [i0, i1) of one (batch b, query head h) pair.
+/// Flash attention for queries [i0, i0 + rows) of one (batch b, query head h) pair, whose
+/// rows of q and out are given; k and v are the whole head, stored as S (T or 16-bit).
 ///   pass 1: q tile = scale * q[i0:i1]            (the scale folded into the GEMM operand)
 ///   pass 2: for each key tile [j0, j1) the mask does not hide:
 ///             s = q tile * k[j0:j1]^T             one GEMM on the strided view
@@ -55,18 +66,19 @@ struct FlashWorkspace {
 ///             m' = max(m, rowmax s); p = exp(s - m'); l = l * exp(m - m') + rowsum p
 ///             acc = acc * exp(m - m') + p * v[j0:j1]   one GEMM
 ///   pass 3: out = acc / l (zeros when l = 0), logsumexp = m + log l
-/// `workspace` must have been reserved for at least (i1 - i0) query rows and key_tile keys.
-template <class T>
-void flash_attention_tile(const HeadMatrix<const T>& q,  // (Lq, D)
-                          const HeadMatrix<const T>& k,  // (Lk, D)
-                          const HeadMatrix<const T>& v,  // (Lk, Dv)
-                          HeadMatrix<T>& out,            // (Lq, Dv), rows [i0, i1) written
-                          const Mask<T>& mask, Index b, Index h, T scale, Index i0, Index i1,
-                          Index key_tile, FlashWorkspace<T>& workspace,
-                          T* logsumexp) {  // (Lq) or null, rows [i0, i1) written
+/// `workspace` must have been reserved for at least `rows` query rows and key_tile keys.
+template <class T, class S = T>
+void flash_attention_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 .. i0 + rows - 1
+                          const HeadMatrix<const S>& k,  // (Lk, D)    the whole head
+                          const HeadMatrix<const S>& v,  // (Lk, Dv)
+                          HeadMatrix<T> out,             // (rows, Dv) written
+                          const Mask<T>& mask, Index b, Index h, T scale, Index i0, Index key_tile,
+                          FlashWorkspace<T>& workspace,
+                          T* logsumexp) {  // (rows) or null
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
   using RowArray = Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>;
-  const Index rows = i1 - i0;
+  const Index rows = q.rows();
+  const Index i1 = i0 + rows;
   const Index value_dim = v.cols();
   ATTN_ASSERT(rows > 0 && rows <= workspace.s.rows() && key_tile <= workspace.s.cols());
 
@@ -81,7 +93,7 @@ void flash_attention_tile(const HeadMatrix<const T>& q,  // (Lq, D)
 
   if (keys_first < keys_last) {
     Eigen::Map<Matrix<T>, Eigen::Aligned16> q_tile(workspace.q.data(), rows, q.cols());
-    q_tile.noalias() = scale * q.middleRows(i0, rows);  // pass 1
+    q_tile.noalias() = scale * q;  // pass 1
 
     for (Index j0 = keys_first; j0 < keys_last; j0 += key_tile) {  // pass 2
       const Index j1 = std::min(j0 + key_tile, keys_last);
@@ -93,7 +105,8 @@ void flash_attention_tile(const HeadMatrix<const T>& q,  // (Lq, D)
       const Index s_stride = workspace.s.cols();
       Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> s(workspace.s.data(), rows, cols,
                                                        Eigen::OuterStride<>(s_stride));
-      s.noalias() = q_tile * k.middleRows(j0, cols).transpose();
+      const HeadMatrix<const T> k_tile = rows_as<T, S>(k, j0, cols, workspace.k);
+      s.noalias() = q_tile * k_tile.transpose();
       if (visibility == TileVisibility::partial || mask.modifies_scores())
         mask.apply(b, h, i0, j0, s);
 
@@ -114,14 +127,15 @@ void flash_attention_tile(const HeadMatrix<const T>& q,  // (Lq, D)
         l(r) = l(r) * alpha + p.sum();
         m(r) = m_new;
       }
+      const HeadMatrix<const T> v_tile = rows_as<T, S>(v, j0, cols, workspace.v);
       if (first_tile) {
-        acc.noalias() = s * v.middleRows(j0, cols);
+        acc.noalias() = s * v_tile;
       } else {
         for (Index r = 0; r < rows; ++r) {
           if (workspace.alpha(r) != T(1))
             acc.row(r) *= workspace.alpha(r);
         }
-        acc.noalias() += s * v.middleRows(j0, cols);
+        acc.noalias() += s * v_tile;
       }
       first_tile = false;
     }
@@ -129,15 +143,15 @@ void flash_attention_tile(const HeadMatrix<const T>& q,  // (Lq, D)
 
   // pass 3
   for (Index r = 0; r < rows; ++r) {
-    auto out_row = out.row(i0 + r);
+    auto out_row = out.row(r);
     if (first_tile || l(r) == T(0)) {  // the row sees no key: zeros, lse -inf
       out_row.setZero();
       if (logsumexp != nullptr)
-        logsumexp[i0 + r] = minus_inf;
+        logsumexp[r] = minus_inf;
     } else {
       out_row = acc.row(r) * (T(1) / l(r));
       if (logsumexp != nullptr)
-        logsumexp[i0 + r] = m(r) + std::log(l(r));
+        logsumexp[r] = m(r) + std::log(l(r));
     }
   }
 }

@@ -18,7 +18,8 @@
 // packing; the online softmax reduces over keys, i.e. down the columns of st, an elementwise
 // max/add of 16-query vectors; and p v reads p^T's rows as broadcast scalars.
 //
-// Extra memory per thread: Bq' * (D + Bk + Dv + 4) floats, independent of Lq and Lk.
+// Extra memory per thread: Bq' * (D + Bk + Dv + 4) floats, plus Bk * (D + Dv) when k and v are
+// stored in 16 bits; independent of Lq and Lk.
 // Compiled only when the translation unit targets AVX-512F (e.g. -march=native on a CPU
 // that has it) and ATTN_NO_AVX512 is not defined; otherwise attention.hpp uses
 // kernels/flash.hpp for float too.
@@ -42,6 +43,7 @@
 
 #include "attn/config.hpp"
 #include "attn/mask.hpp"
+#include "attn/precision.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn::detail::avx512 {
@@ -58,10 +60,17 @@ struct FlashWorkspace {
   Vector<float> alpha;                       // (Bq')
   Vector<float> tile_max;                    // (Bq')
   std::vector<std::int32_t> key_lo, key_hi;  // (Bq') visible keys of each query in a tile
+  Matrix<float> k;                           // (Bk, D)  widened key tile (16-bit storage)
+  Matrix<float> v;                           // (Bk, Dv) widened value tile (16-bit storage)
 
   static Index padded(Index n) { return (n + lanes - 1) / lanes * lanes; }
 
-  void reserve(Index query_tile, Index key_tile, Index dim, Index value_dim) {
+  void reserve(Index query_tile, Index key_tile, Index dim, Index value_dim,
+               bool widens_kv = false) {
+    if (widens_kv) {
+      k.resize(key_tile, dim);
+      v.resize(key_tile, value_dim);
+    }
     const Index width = padded(query_tile);
     qt.resize(dim, width);
     st.resize(key_tile, width);
@@ -341,8 +350,9 @@ inline void softmax_update(float* st, Index st_stride, Index keys,              
   _mm512_storeu_ps(m, m_new);
 }
 
-/// Flash attention for queries [i0, i1) of one (batch b, query head h) pair; the contract of
-/// detail::flash_attention_tile (kernels/flash.hpp), for float.
+/// Flash attention for queries [i0, i0 + rows) of one (batch b, query head h) pair; the
+/// contract of detail::flash_attention_tile (kernels/flash.hpp), for float compute with k and
+/// v stored as S (float, or 16-bit widened tile by tile into the workspace).
 ///   pass 1: qt = scale * q[i0:i1]^T                  (the scale folded into the operand)
 ///   pass 2: for each key tile [j0, j1) the mask does not hide:
 ///             st = k[j0:j1] qt                        (12 x 32 register blocks; the column
@@ -352,15 +362,17 @@ inline void softmax_update(float* st, Index st_stride, Index keys,              
 ///             online softmax down the columns of st   (16 queries per vector)
 ///             o = alpha o + st^T v[j0:j1]             (6 x 64 register blocks)
 ///   pass 3: out = o / l (zeros when l = 0), logsumexp = m + log l
-inline void flash_attention_tile(const HeadMatrix<const float>& q,  // (Lq, D)
-                                 const HeadMatrix<const float>& k,  // (Lk, D)
-                                 const HeadMatrix<const float>& v,  // (Lk, Dv)
-                                 HeadMatrix<float>& out,  // (Lq, Dv), rows [i0, i1) written
-                                 const Mask<float>& mask, Index b, Index h, float scale, Index i0,
-                                 Index i1, Index key_tile, FlashWorkspace& workspace,
-                                 float* logsumexp) {  // (Lq) or null, rows [i0, i1) written
+template <class S = float>
+void flash_attention_tile(const HeadMatrix<const float>& q,  // (rows, D)  queries i0 ..
+                          const HeadMatrix<const S>& k,      // (Lk, D)    the whole head
+                          const HeadMatrix<const S>& v,      // (Lk, Dv)
+                          HeadMatrix<float> out,             // (rows, Dv) written
+                          const Mask<float>& mask, Index b, Index h, float scale, Index i0,
+                          Index key_tile, FlashWorkspace& workspace,
+                          float* logsumexp) {  // (rows) or null
   constexpr float minus_inf = -std::numeric_limits<float>::infinity();
-  const Index rows = i1 - i0;
+  const Index rows = q.rows();
+  const Index i1 = i0 + rows;
   const Index width = FlashWorkspace::padded(rows);
   const Index dim = q.cols(), value_dim = v.cols();
   const Index stride = workspace.qt.cols();  // row stride of qt and st
@@ -377,7 +389,7 @@ inline void flash_attention_tile(const HeadMatrix<const float>& q,  // (Lq, D)
 
   if (keys_first < keys_last) {
     float* qt = workspace.qt.data();
-    pack_queries_transposed(q.row(i0).data(), q.outerStride(), rows, dim, scale, qt,
+    pack_queries_transposed(q.data(), q.outerStride(), rows, dim, scale, qt,
                             stride);  // pass 1
     for (Index d = 0; d < dim; ++d)
       std::fill(qt + d * stride + rows, qt + d * stride + width, 0.0f);
@@ -392,20 +404,22 @@ inline void flash_attention_tile(const HeadMatrix<const float>& q,  // (Lq, D)
       if (visibility == TileVisibility::hidden)
         continue;
       const bool masked = visibility == TileVisibility::partial || mask.modifies_scores();
+      const HeadMatrix<const float> k_tile = rows_as<float, S>(k, j0, cols, workspace.k);
+      const HeadMatrix<const float> v_tile = rows_as<float, S>(v, j0, cols, workspace.v);
 
       std::fill_n(tile_max, width, minus_inf);
       for (Index j = 0; j < cols; j += score_rows) {
         const Index block_rows = std::min(score_rows, cols - j);
-        const float* k_rows = k.row(j0 + j).data();
+        const float* k_rows = k_tile.row(j).data();
         float* st_rows = st + j * stride;
         Index c0 = 0;
         for (; c0 + 2 * lanes <= width; c0 += 2 * lanes) {
-          scores_rows<2>(block_rows, k_rows, k.outerStride(), qt + c0, stride, dim, st_rows + c0,
-                         stride, masked ? nullptr : tile_max + c0);
+          scores_rows<2>(block_rows, k_rows, k_tile.outerStride(), qt + c0, stride, dim,
+                         st_rows + c0, stride, masked ? nullptr : tile_max + c0);
         }
         if (c0 < width) {
-          scores_rows<1>(block_rows, k_rows, k.outerStride(), qt + c0, stride, dim, st_rows + c0,
-                         stride, masked ? nullptr : tile_max + c0);
+          scores_rows<1>(block_rows, k_rows, k_tile.outerStride(), qt + c0, stride, dim,
+                         st_rows + c0, stride, masked ? nullptr : tile_max + c0);
         }
       }
       if (masked) {
@@ -441,24 +455,24 @@ inline void flash_attention_tile(const HeadMatrix<const float>& q,  // (Lq, D)
         for (Index r = 0; r < rows; r += value_rows) {
           const Index block_rows = std::min(value_rows, rows - r);
           const float* pt = st + r;
-          const float* v_cols = v.row(j0).data() + e;
+          const float* v_cols = v_tile.data() + e;
           float* o_block = o + r * o_stride + e;
           switch (vectors) {
             case 1:
-              values_rows<1>(block_rows, pt, stride, v_cols, v.outerStride(), cols, tail, alpha + r,
-                             first_tile, o_block, o_stride);
+              values_rows<1>(block_rows, pt, stride, v_cols, v_tile.outerStride(), cols, tail,
+                             alpha + r, first_tile, o_block, o_stride);
               break;
             case 2:
-              values_rows<2>(block_rows, pt, stride, v_cols, v.outerStride(), cols, tail, alpha + r,
-                             first_tile, o_block, o_stride);
+              values_rows<2>(block_rows, pt, stride, v_cols, v_tile.outerStride(), cols, tail,
+                             alpha + r, first_tile, o_block, o_stride);
               break;
             case 3:
-              values_rows<3>(block_rows, pt, stride, v_cols, v.outerStride(), cols, tail, alpha + r,
-                             first_tile, o_block, o_stride);
+              values_rows<3>(block_rows, pt, stride, v_cols, v_tile.outerStride(), cols, tail,
+                             alpha + r, first_tile, o_block, o_stride);
               break;
             default:
-              values_rows<4>(block_rows, pt, stride, v_cols, v.outerStride(), cols, tail, alpha + r,
-                             first_tile, o_block, o_stride);
+              values_rows<4>(block_rows, pt, stride, v_cols, v_tile.outerStride(), cols, tail,
+                             alpha + r, first_tile, o_block, o_stride);
               break;
           }
         }
@@ -471,15 +485,15 @@ inline void flash_attention_tile(const HeadMatrix<const float>& q,  // (Lq, D)
   const float* o = workspace.o.data();
   const Index o_stride = workspace.o.cols();
   for (Index r = 0; r < rows; ++r) {
-    auto out_row = out.row(i0 + r);
+    auto out_row = out.row(r);
     if (first_tile || l[r] == 0.0f) {  // the row sees no key: zeros, lse -inf
       out_row.setZero();
       if (logsumexp != nullptr)
-        logsumexp[i0 + r] = minus_inf;
+        logsumexp[r] = minus_inf;
     } else {
       out_row = Eigen::Map<const Eigen::RowVectorXf>(o + r * o_stride, value_dim) * (1.0f / l[r]);
       if (logsumexp != nullptr)
-        logsumexp[i0 + r] = m[r] + std::log(l[r]);
+        logsumexp[r] = m[r] + std::log(l[r]);
     }
   }
 }

@@ -2,7 +2,8 @@
 //
 // Extra memory: one (Lq, Lk) score matrix per thread (reused across heads), or none beyond
 // the caller's weights buffer when the weights are requested (the scores are built there).
-// It is the only kernel that can return the full attention weights.
+// With 16-bit inputs add one widened (Lq, D) q head, (Lk, D + Dv) k and v head and (Lq, Dv)
+// output per thread. It is the only kernel that can return the full attention weights.
 #pragma once
 
 #include <Eigen/Core>

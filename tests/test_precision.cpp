@@ -1,0 +1,338 @@
+// 16-bit storage (Eigen::half, Eigen::bfloat16) in every attention algorithm: errors against
+// a float64 reference on the same 16-bit values, bounded by twice the error of a plain
+// 16-bit implementation that accumulates in float; widening tile by tile gives the bits of
+// widening first; a long-context case where an fp16 accumulator visibly fails.
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include <attn/attention.hpp>
+#include <attn/precision.hpp>
+#include <attn/score_modifiers.hpp>
+
+namespace {
+
+using attn::Index;
+
+/// Contiguous (B, H, L, D) data of scalar S.
+template <class S>
+struct Heads {
+  Index batch, heads, length, dim;
+  std::vector<S> data;
+  Heads(Index b, Index h, Index l, Index d)
+      : batch(b), heads(h), length(l), dim(d), data(static_cast<std::size_t>(b * h * l * d)) {}
+  attn::HeadsView<const S> cview() const {
+    return attn::bhld_view(data.data(), batch, heads, length, dim);
+  }
+  attn::HeadsView<S> view() { return attn::bhld_view(data.data(), batch, heads, length, dim); }
+  template <class U>
+  Heads<U> cast() const {
+    Heads<U> result(batch, heads, length, dim);
+    for (std::size_t i = 0; i < data.size(); ++i)
+      result.data[i] = static_cast<U>(static_cast<float>(data[i]));
+    return result;
+  }
+};
+
+template <class S>
+Heads<S> random_heads(Index b, Index h, Index l, Index d, std::mt19937& rng, double sigma = 1.0) {
+  std::normal_distribution<float> normal(0.0f, static_cast<float>(sigma));
+  Heads<S> x(b, h, l, d);
+  for (S& value : x.data)
+    value = static_cast<S>(normal(rng));
+  return x;
+}
+
+template <class S>
+double max_abs_error(const std::vector<S>& actual, const std::vector<double>& expected) {
+  REQUIRE(actual.size() == expected.size());
+  double worst = 0.0;
+  for (std::size_t i = 0; i < actual.size(); ++i) {
+    const double error = std::abs(static_cast<double>(static_cast<float>(actual[i])) - expected[i]);
+    if (!(error <= worst))  // NaN counts as the worst
+      worst = std::isnan(error) ? INFINITY : error;
+  }
+  return worst;
+}
+
+/// The masks the tests run under, in float or double.
+template <class T>
+attn::AttentionOptions<T> masked_options(int kind, Index batch, Index q_heads, Index k_length) {
+  attn::AttentionOptions<T> options;
+  switch (kind) {
+    case 1:
+      options.causal = attn::Causal::bottom_right;
+      break;
+    case 2:
+      options.window = {7, 3};
+      options.key_lengths.assign(static_cast<std::size_t>(batch), k_length - 5);
+      break;
+    case 3:
+      options.causal = attn::Causal::top_left;
+      options.alibi_slopes = attn::alibi_slopes<T>(q_heads);
+      options.softcap = T(5);
+      break;
+    default:
+      break;
+  }
+  return options;
+}
+
+/// What a plain 16-bit implementation computes: scores and softmax in float from the S
+/// values, the probabilities stored as S, P V accumulated in float, the output stored as S.
+template <class S>
+std::vector<double> plain_16bit_attention(const Heads<S>& q, const Heads<S>& k, const Heads<S>& v,
+                                          const attn::AttentionOptions<float>& options) {
+  const Heads<float> qf = q.template cast<float>(), kf = k.template cast<float>(),
+                     vf = v.template cast<float>();
+  attn::Tensor<float, 4> weights;
+  attn::AttentionOptions<float> naive = options;
+  naive.algorithm = attn::Algorithm::naive;
+  Heads<float> unused(q.batch, q.heads, q.length, v.dim);
+  weights.resize(q.batch, q.heads, q.length, k.length);
+  attn::scaled_dot_product_attention_into<float>(qf.cview(), kf.cview(), vf.cview(), unused.view(),
+                                                 naive, weights.data());
+  const Index group = q.heads / k.heads;
+  std::vector<double> out(static_cast<std::size_t>(q.batch * q.heads * q.length * v.dim));
+  for (Index b = 0; b < q.batch; ++b) {
+    for (Index h = 0; h < q.heads; ++h) {
+      const auto vh = vf.cview().head(b, h / group);
+      for (Index i = 0; i < q.length; ++i) {
+        for (Index e = 0; e < v.dim; ++e) {
+          float sum = 0.0f;
+          for (Index j = 0; j < k.length; ++j) {
+            const float p = static_cast<float>(static_cast<S>(weights(b, h, i, j)));
+            sum += p * vh(j, e);
+          }
+          const auto at = static_cast<std::size_t>(((b * q.heads + h) * q.length + i) * v.dim + e);
+          out[at] = static_cast<float>(static_cast<S>(sum));
+        }
+      }
+    }
+  }
+  return out;
+}
+
+/// The float64 reference on the same (already 16-bit) values.
+template <class SQ, class SKV>
+std::vector<double> reference_attention(const Heads<SQ>& q, const Heads<SKV>& k,
+                                        const Heads<SKV>& v, int mask_kind) {
+  const Heads<double> qd = q.template cast<double>(), kd = k.template cast<double>(),
+                      vd = v.template cast<double>();
+  attn::AttentionOptions<double> options =
+      masked_options<double>(mask_kind, q.batch, q.heads, k.length);
+  options.algorithm = attn::Algorithm::naive;
+  Heads<double> out(q.batch, q.heads, q.length, v.dim);
+  attn::scaled_dot_product_attention_into<double>(qd.cview(), kd.cview(), vd.cview(), out.view(),
+                                                  options);
+  return out.data;
+}
+
+const char* algorithm_name(attn::Algorithm algorithm) {
+  switch (algorithm) {
+    case attn::Algorithm::naive:
+      return "naive";
+    case attn::Algorithm::chunked:
+      return "chunked";
+    case attn::Algorithm::flash:
+      return "flash";
+    default:
+      return "automatic";
+  }
+}
+
+constexpr attn::Algorithm all_algorithms[] = {attn::Algorithm::naive, attn::Algorithm::chunked,
+                                              attn::Algorithm::flash};
+
+template <class S>
+void check_16bit_storage(const char* type_name) {
+  std::mt19937 rng(2024);
+  // GQA 4/2, odd lengths and dims so that partial tiles and vectors are exercised.
+  const Index batch = 2, q_heads = 4, kv_heads = 2, q_length = 37, k_length = 300, dim = 72,
+              value_dim = 40;
+  const Heads<S> q = random_heads<S>(batch, q_heads, q_length, dim, rng, 1.5);
+  const Heads<S> k = random_heads<S>(batch, kv_heads, k_length, dim, rng, 1.5);
+  const Heads<S> v = random_heads<S>(batch, kv_heads, k_length, value_dim, rng);
+  for (int mask_kind = 0; mask_kind < 4; ++mask_kind) {
+    const std::vector<double> reference = reference_attention(q, k, v, mask_kind);
+    attn::AttentionOptions<float> options =
+        masked_options<float>(mask_kind, batch, q_heads, k_length);
+    const double plain_error = max_abs_error(plain_16bit_attention(q, k, v, options), reference);
+    // The same problem in float: the part of the error that is not 16-bit rounding.
+    for (const attn::Algorithm algorithm : all_algorithms) {
+      INFO(type_name << ", mask kind " << mask_kind << ", " << algorithm_name(algorithm)
+                     << ", plain 16-bit error " << plain_error);
+      options.algorithm = algorithm;
+      options.query_tile = 16;  // several query and key tiles, a partial last one
+      options.key_tile = 64;
+      Heads<S> out(batch, q_heads, q_length, value_dim);
+      attn::scaled_dot_product_attention_into<S>(q.cview(), k.cview(), v.cview(), out.view(),
+                                                 options);
+      const double error = max_abs_error(out.data, reference);
+      INFO("error " << error);
+      CHECK(error <= 2.0 * plain_error + 1e-6);
+      CHECK(plain_error > 0.0);  // the bound is not vacuous: 16-bit rounding is visible
+
+      // Output requested in float: the error is then far below the 16-bit rounding.
+      Heads<float> out_float(batch, q_heads, q_length, value_dim);
+      attn::scaled_dot_product_attention_into(q.cview(), k.cview(), v.cview(), out_float.view(),
+                                              options);
+      const double error_float = max_abs_error(out_float.data, reference);
+      INFO("float output error " << error_float);
+      CHECK(error_float <= 1e-5);
+
+      // Widening tile by tile computes exactly what widening everything first does.
+      const Heads<float> qf = q.template cast<float>(), kf = k.template cast<float>(),
+                         vf = v.template cast<float>();
+      Heads<float> out_widened(batch, q_heads, q_length, value_dim);
+      attn::scaled_dot_product_attention_into<float>(qf.cview(), kf.cview(), vf.cview(),
+                                                     out_widened.view(), options);
+      CHECK(out_float.data == out_widened.data);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("half storage: every algorithm within twice the plain 16-bit error", "[precision]") {
+  check_16bit_storage<Eigen::half>("half");
+}
+
+TEST_CASE("bfloat16 storage: every algorithm within twice the plain 16-bit error", "[precision]") {
+  check_16bit_storage<Eigen::bfloat16>("bfloat16");
+}
+
+TEST_CASE("float queries against half keys and values (decoding from a 16-bit cache)",
+          "[precision]") {
+  std::mt19937 rng(7);
+  const Index batch = 1, q_heads = 8, kv_heads = 2, k_length = 513, dim = 64;
+  for (const Index q_length : {Index(1), Index(5), Index(130)}) {
+    const Heads<float> q = random_heads<float>(batch, q_heads, q_length, dim, rng);
+    const Heads<Eigen::half> k = random_heads<Eigen::half>(batch, kv_heads, k_length, dim, rng);
+    const Heads<Eigen::half> v = random_heads<Eigen::half>(batch, kv_heads, k_length, dim, rng);
+    const std::vector<double> reference = reference_attention(q, k, v, 1);
+    for (const attn::Algorithm algorithm : all_algorithms) {
+      INFO("Lq " << q_length << ", " << algorithm_name(algorithm));
+      attn::AttentionOptions<float> options = masked_options<float>(1, batch, q_heads, k_length);
+      options.algorithm = algorithm;
+      Heads<float> out(batch, q_heads, q_length, dim);
+      std::vector<float> lse(static_cast<std::size_t>(batch * q_heads * q_length));
+      attn::scaled_dot_product_attention_into(q.cview(), k.cview(), v.cview(), out.view(), options,
+                                              nullptr, lse.data());
+      CHECK(max_abs_error(out.data, reference) <= 1e-5);
+      for (const float value : lse)
+        CHECK(std::isfinite(value));
+    }
+  }
+}
+
+TEST_CASE("tensor API: half inputs, half or float output", "[precision]") {
+  std::mt19937 rng(11);
+  attn::Tensor<Eigen::half, 4> q(1, 2, 9, 16), k(1, 2, 20, 16), v(1, 2, 20, 8);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto* t : {&q, &k, &v}) {
+    for (Index i = 0; i < t->size(); ++i)
+      t->data()[i] = Eigen::half(normal(rng));
+  }
+  attn::AttentionOptions<float> options;
+  options.causal = attn::Causal::top_left;
+  attn::Tensor<float, 3> lse;
+  const attn::Tensor<Eigen::half, 4> out_half =
+      attn::scaled_dot_product_attention(q, k, v, options, nullptr, &lse);
+  const attn::Tensor<float, 4> out_float =
+      attn::scaled_dot_product_attention<float>(q, k, v, options);
+  REQUIRE(out_half.dimension(3) == 8);
+  REQUIRE(lse.dimension(2) == 9);
+  for (Index i = 0; i < out_half.size(); ++i) {
+    // the half output is the float output rounded to nearest
+    CHECK(out_half.data()[i] == Eigen::half(out_float.data()[i]));
+  }
+  // row 0 of a top-left causal mask sees only key 0: its output is v[0] exactly
+  for (Index e = 0; e < 8; ++e)
+    CHECK(out_half(0, 0, 0, e) == v(0, 0, 0, e));
+}
+
+TEST_CASE("long context: float accumulation stays accurate where fp16 accumulation fails",
+          "[precision]") {
+  // One query against 16384 half keys and values. The softmax denominator grows to
+  // thousands, where fp16's spacing exceeds 1, and the weighted value sum loses its low
+  // digits: an fp16 accumulator (what a 16-bit-only kernel does) is visibly wrong.
+  std::mt19937 rng(5);
+  const Index k_length = 16384, dim = 64;
+  const Heads<Eigen::half> q = random_heads<Eigen::half>(1, 1, 4, dim, rng, 0.2);
+  const Heads<Eigen::half> k = random_heads<Eigen::half>(1, 1, k_length, dim, rng, 0.2);
+  Heads<Eigen::half> v = random_heads<Eigen::half>(1, 1, k_length, dim, rng);
+  for (Eigen::half& value : v.data)  // a common offset, as real values have
+    value = Eigen::half(static_cast<float>(value) + 2.0f);
+  const std::vector<double> reference = reference_attention(q, k, v, 0);
+
+  // fp16 accumulation: running max, sum and output all kept in half.
+  std::vector<double> fp16(reference.size());
+  const float scale = 1.0f / 8.0f;
+  for (Index i = 0; i < 4; ++i) {
+    std::vector<float> scores(static_cast<std::size_t>(k_length));
+    float max = -INFINITY;
+    for (Index j = 0; j < k_length; ++j) {
+      float s = 0.0f;
+      for (Index d = 0; d < dim; ++d) {
+        s += static_cast<float>(q.data[static_cast<std::size_t>(i * dim + d)]) *
+             static_cast<float>(k.data[static_cast<std::size_t>(j * dim + d)]);
+      }
+      scores[static_cast<std::size_t>(j)] = s * scale;
+      max = std::max(max, s * scale);
+    }
+    Eigen::half sum(0.0f);
+    std::vector<Eigen::half> acc(static_cast<std::size_t>(dim), Eigen::half(0.0f));
+    for (Index j = 0; j < k_length; ++j) {
+      const Eigen::half p(std::exp(scores[static_cast<std::size_t>(j)] - max));
+      sum = sum + p;
+      for (Index e = 0; e < dim; ++e)
+        acc[static_cast<std::size_t>(e)] += p * v.data[static_cast<std::size_t>(j * dim + e)];
+    }
+    for (Index e = 0; e < dim; ++e) {
+      fp16[static_cast<std::size_t>(i * dim + e)] =
+          static_cast<float>(acc[static_cast<std::size_t>(e)]) / static_cast<float>(sum);
+    }
+  }
+  const double fp16_error = max_abs_error(fp16, reference);
+
+  attn::AttentionOptions<float> options;
+  options.scale = scale;
+  options.algorithm = attn::Algorithm::flash;
+  const double plain_error = max_abs_error(plain_16bit_attention(q, k, v, options), reference);
+  Heads<Eigen::half> out(1, 1, 4, dim);
+  attn::scaled_dot_product_attention_into<Eigen::half>(q.cview(), k.cview(), v.cview(), out.view(),
+                                                       options);
+  const double error = max_abs_error(out.data, reference);
+  INFO("fp16 accumulator error " << fp16_error << ", ours " << error << ", plain 16-bit "
+                                 << plain_error);
+  CHECK(error <= 2.0 * plain_error + 1e-6);
+  CHECK(error <= 2e-3);  // half rounding of outputs near 2 is 1e-3
+  CHECK(fp16_error > 20 * error);
+}
+
+TEMPLATE_TEST_CASE("widen: every 16-bit pattern converts exactly", "[precision]", Eigen::half,
+                   Eigen::bfloat16) {
+  // All 65536 bit patterns (zeros, subnormals, infinities, NaNs), at an odd offset so that
+  // the vector loop and the scalar tail both run on unaligned data.
+  std::vector<TestType> source(65536 + 3);
+  for (std::uint32_t bits = 0; bits < 65536; ++bits) {
+    source[bits + 3] = Eigen::numext::bit_cast<TestType>(static_cast<std::uint16_t>(bits));
+  }
+  std::vector<float> widened(source.size());
+  attn::detail::widen(source.data() + 3, widened.data() + 3, 65536);
+  for (std::size_t i = 3; i < source.size(); ++i) {
+    const float expected = static_cast<float>(source[i]);
+    if (std::isnan(expected)) {
+      CHECK(std::isnan(widened[i]));
+    } else {
+      CHECK(widened[i] == expected);
+      CHECK(std::signbit(widened[i]) == std::signbit(expected));
+    }
+  }
+}
