@@ -2,6 +2,7 @@
 // a float64 reference on the same 16-bit values, bounded by twice the error of a plain
 // 16-bit implementation that accumulates in float; widening tile by tile gives the bits of
 // widening first; a long-context case where an fp16 accumulator visibly fails.
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -13,6 +14,7 @@
 
 #include <attn/attention.hpp>
 #include <attn/precision.hpp>
+#include <attn/projection.hpp>
 #include <attn/score_modifiers.hpp>
 
 namespace {
@@ -335,4 +337,35 @@ TEMPLATE_TEST_CASE("widen: every 16-bit pattern converts exactly", "[precision]"
       CHECK(std::signbit(widened[i]) == std::signbit(expected));
     }
   }
+}
+
+TEMPLATE_TEST_CASE("Linear with 16-bit weights: a float GEMM, rounded once", "[precision]",
+                   Eigen::half, Eigen::bfloat16) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const Index rows = 37, in = 72, out = 40;
+  attn::Matrix<TestType> w(in, out), x(rows, in);
+  attn::Vector<TestType> b(out);
+  for (Index i = 0; i < w.size(); ++i)
+    w.data()[i] = TestType(0.1f * normal(rng));
+  for (Index i = 0; i < x.size(); ++i)
+    x.data()[i] = TestType(normal(rng));
+  for (Index i = 0; i < b.size(); ++i)
+    b.data()[i] = TestType(normal(rng));
+  const attn::Linear<TestType> narrow(w, b);
+  const attn::Linear<float> wide(w.template cast<float>(), b.template cast<float>());
+  const attn::Matrix<float> expected = wide(x.template cast<float>());
+  const attn::Matrix<TestType> y = narrow(x);
+  REQUIRE(y.rows() == rows);
+  REQUIRE(y.cols() == out);
+  // The float result rounded once: a half GEMM rounding each partial sum would not match.
+  CHECK(y == expected.template cast<TestType>());
+
+  attn::Tensor<TestType, 3> batch(1, rows, in);
+  std::copy(x.data(), x.data() + x.size(), batch.data());
+  const attn::Tensor<TestType, 3> y_batch = narrow(batch);
+  CHECK(std::equal(y.data(), y.data() + y.size(), y_batch.data()));
+
+  // Wrong shapes are reported as for float.
+  CHECK_THROWS_AS(narrow(attn::Matrix<TestType>(rows, in + 1)), std::invalid_argument);
 }

@@ -27,6 +27,7 @@
 
 #include "attn/config.hpp"
 #include "attn/init.hpp"
+#include "attn/precision.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn {
@@ -42,16 +43,30 @@ using RowsMap = Eigen::Map<Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
 
 namespace detail {
 
-/// y (N, out) = x (N, in) * w (in, out) + b (out; empty = none). One GEMM.
+/// y (N, out) = x (N, in) * w (in, out) + b (out; empty = none). One GEMM. 16-bit data are
+/// widened to float for the GEMM (Eigen's half GEMM would round every partial sum to half)
+/// and the result is rounded once: extra memory (N, in + out) + (in, out) floats per call.
 template <class T, class DerivedW>
 void linear_into(const ConstRowsMap<T>& x, const Eigen::MatrixBase<DerivedW>& w,
                  const T* bias,  // (out) or null
                  RowsMap<T> y) {
   ATTN_ASSERT(x.cols() == w.rows() && y.cols() == w.cols() && y.rows() == x.rows());
-  y.noalias() = x * w;
-  if (bias != nullptr) {
-    const Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>> b(bias, w.cols());
-    y.rowwise() += b;
+  using C = compute_scalar_t<T>;
+  if constexpr (std::is_same_v<T, C>) {
+    y.noalias() = x * w;
+    if (bias != nullptr) {
+      const Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>> b(bias, w.cols());
+      y.rowwise() += b;
+    }
+  } else {
+    const Matrix<C> x_wide = x.template cast<C>(), w_wide = w.template cast<C>();
+    Matrix<C> y_wide(x.rows(), w.cols());
+    y_wide.noalias() = x_wide * w_wide;
+    if (bias != nullptr) {
+      const Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>> b(bias, w.cols());
+      y_wide.rowwise() += b.template cast<C>();
+    }
+    y = y_wide.template cast<T>();
   }
 }
 
