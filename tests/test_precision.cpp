@@ -8,11 +8,13 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <catch2/catch.hpp>
 
 #include <attn/attention.hpp>
+#include <attn/multihead.hpp>
 #include <attn/precision.hpp>
 #include <attn/projection.hpp>
 #include <attn/score_modifiers.hpp>
@@ -368,4 +370,87 @@ TEMPLATE_TEST_CASE("Linear with 16-bit weights: a float GEMM, rounded once", "[p
 
   // Wrong shapes are reported as for float.
   CHECK_THROWS_AS(narrow(attn::Matrix<TestType>(rows, in + 1)), std::invalid_argument);
+}
+
+TEMPLATE_TEST_CASE("MultiHeadAttention with 16-bit weights and activations", "[precision]",
+                   Eigen::half, Eigen::bfloat16) {
+  // The float layer on the same (16-bit) weights and inputs is the reference; the 16-bit
+  // layer rounds its projections, attention output and result to 16 bits, so it may differ
+  // by a few 16-bit roundings, no more.
+  // Machine epsilon: 2^-10 for half, 2^-7 for bfloat16 (Eigen 3.4's
+  // numeric_limits<half>::epsilon() returns 2^-13, so it is spelled out here).
+  const double eps = std::is_same_v<TestType, Eigen::half> ? 0x1p-10 : 0x1p-7;
+  attn::MultiHeadAttentionConfig config;
+  config.embed_dim = 32;
+  config.num_heads = 4;
+  config.num_kv_heads = 2;
+  config.seed = 5;
+  const attn::MultiHeadAttention<float> fresh(config);
+  attn::StateDict<TestType> narrow_state;
+  attn::StateDict<float> wide_state;
+  for (const auto& [name, tensor] : fresh.state_dict()) {
+    attn::StateTensor<TestType>& narrow = narrow_state[name];
+    attn::StateTensor<float>& wide = wide_state[name];
+    narrow.shape = wide.shape = tensor.shape;
+    for (const float value : tensor.data) {
+      narrow.data.push_back(TestType(value));
+      wide.data.push_back(static_cast<float>(TestType(value)));
+    }
+  }
+  const auto narrow = attn::MultiHeadAttention<TestType>::from_state_dict(config, narrow_state);
+  const auto wide = attn::MultiHeadAttention<float>::from_state_dict(config, wide_state);
+
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const Index batch = 2, q_length = 9, k_length = 13, e = 32;
+  attn::Tensor<TestType, 3> query(batch, q_length, e), key(batch, k_length, e);
+  for (auto* t : {&query, &key}) {
+    for (Index i = 0; i < t->size(); ++i)
+      t->data()[i] = TestType(normal(rng));
+  }
+  const attn::Tensor<float, 3> query_wide = query.template cast<float>();
+  const attn::Tensor<float, 3> key_wide = key.template cast<float>();
+  attn::Tensor<bool, 2> padding(batch, k_length);
+  padding.setConstant(false);
+  padding(1, 12) = padding(1, 11) = true;  // the second sequence has 11 keys
+  attn::Tensor<TestType, 2> float_mask(q_length, k_length);
+  for (Index i = 0; i < float_mask.size(); ++i)
+    float_mask.data()[i] = TestType(0.5f * normal(rng));
+  const attn::Tensor<float, 2> float_mask_wide = float_mask.template cast<float>();
+
+  for (const bool per_head : {false, true}) {
+    INFO("per-head weights " << per_head);
+    attn::MultiHeadForwardOptions<TestType> options;
+    options.key_padding_mask = padding;
+    options.float_attn_mask = float_mask;
+    options.need_weights = true;
+    options.average_attn_weights = !per_head;
+    attn::MultiHeadForwardOptions<float> options_wide;
+    options_wide.key_padding_mask = padding;
+    options_wide.float_attn_mask = float_mask_wide;
+    options_wide.need_weights = true;
+    options_wide.average_attn_weights = !per_head;
+    const auto result = narrow.forward(query, key, key, options);
+    const auto expected = wide.forward(query_wide, key_wide, key_wide, options_wide);
+    REQUIRE(result.output.size() == expected.output.size());
+    double worst = 0.0;
+    for (Index i = 0; i < result.output.size(); ++i) {
+      const double ref = expected.output.data()[i];
+      worst = std::max(worst, std::abs(static_cast<float>(result.output.data()[i]) - ref) /
+                                  (1.0 + std::abs(ref)));
+    }
+    INFO("worst relative difference " << worst << ", 16-bit eps " << eps);
+    CHECK(worst <= 8 * eps);
+    CHECK(worst > 0.0);  // it really ran in 16 bits
+
+    // Weights (per head or averaged) within a few 16-bit roundings; padded keys get 0.
+    const TestType* weights = per_head ? result.weights.data() : result.averaged_weights.data();
+    const float* weights_wide =
+        per_head ? expected.weights.data() : expected.averaged_weights.data();
+    const Index count = per_head ? result.weights.size() : result.averaged_weights.size();
+    REQUIRE(count == (per_head ? batch * 4 : batch) * q_length * k_length);
+    for (Index i = 0; i < count; ++i)
+      CHECK(std::abs(static_cast<float>(weights[i]) - weights_wide[i]) <= 8 * eps);
+    CHECK(static_cast<float>(weights[count - 1]) == 0.0f);  // batch 1's last key is padding
+  }
 }

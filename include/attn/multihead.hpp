@@ -49,6 +49,7 @@
 #include "attn/heads.hpp"
 #include "attn/init.hpp"
 #include "attn/mask.hpp"
+#include "attn/precision.hpp"
 #include "attn/projection.hpp"
 #include "attn/tensor.hpp"
 
@@ -124,13 +125,13 @@ struct MultiHeadAttentionOutput {
 /// allocating (e.g. in a benchmark loop). Not shareable between concurrent calls.
 template <class T>
 struct MultiHeadWorkspace {
-  Matrix<T> qkv;              // fused self-attention: (B*(L + extra), E + 2*Ekv)
-  Matrix<T> q;                // otherwise: (B*L, E)
-  Matrix<T> kv;               // otherwise: (B*S', 2*Ekv)
-  Matrix<T> attn;             // (B*L, E) = (B, L, H, D): attention output, heads merged
-  Tensor<bool, 4> keep;       // combined keep-mask (SDPA polarity), when needed
-  Tensor<T, 4> bias;          // padded additive mask, when needed
-  Tensor<T, 4> head_weights;  // (B, H, L, S') when averaged weights are requested
+  Matrix<T> qkv;                        // fused self-attention: (B*(L + extra), E + 2*Ekv)
+  Matrix<T> q;                          // otherwise: (B*L, E)
+  Matrix<T> kv;                         // otherwise: (B*S', 2*Ekv)
+  Matrix<T> attn;                       // (B*L, E) = (B, L, H, D): attention output, heads merged
+  Tensor<bool, 4> keep;                 // combined keep-mask (SDPA polarity), when needed
+  Tensor<compute_scalar_t<T>, 4> bias;  // padded (or widened) additive mask
+  Tensor<compute_scalar_t<T>, 4> head_weights;  // (B, H, L, S'): for averaging, or 16-bit T
 };
 
 /// One entry of a PyTorch-style state_dict: shape and row-major data.
@@ -147,6 +148,8 @@ using StateDict = std::map<std::string, StateTensor<T>>;
 /// Multi-head attention (batch first), torch.nn.MultiheadAttention's numbers.
 template <class T>
 class MultiHeadAttention {
+  using C = compute_scalar_t<T>;  // the arithmetic's scalar: float for 16-bit T
+
  public:
   /// Fresh weights like PyTorch: xavier_uniform on the input projections (the stacked
   /// (E, E + 2*Ekv) weight when kdim = vdim = E), U(-1/sqrt(E), 1/sqrt(E)) on the output
@@ -386,31 +389,41 @@ class MultiHeadAttention {
     }
 
     // Masks, translated to the SDPA conventions (keep-mask: true = may attend).
-    AttentionOptions<T> attention;
+    AttentionOptions<C> attention;
     build_masks(options, batch, q_length, k_length, kv_length, workspace, attention);
 
     // pass 2: attention, written as (B, L, H, D) = (B, L, E).
     workspace.attn.resize(batch * q_length, e);
     const HeadsView<T> out = blhd_view(workspace.attn.data(), batch, q_length, heads, d);
-    T* weights = nullptr;
+    C* weights = nullptr;  // in the compute scalar; 16-bit results are rounded afterwards
     if (options.need_weights) {
-      Tensor<T, 4>& w = options.average_attn_weights ? workspace.head_weights : result.weights;
-      w.resize(batch, heads, q_length, kv_length);
-      weights = w.data();
+      if constexpr (std::is_same_v<T, C>) {
+        Tensor<C, 4>& w = options.average_attn_weights ? workspace.head_weights : result.weights;
+        w.resize(batch, heads, q_length, kv_length);
+        weights = w.data();
+      } else {
+        workspace.head_weights.resize(batch, heads, q_length, kv_length);
+        weights = workspace.head_weights.data();
+      }
     }
     scaled_dot_product_attention_into<T>(qv, kv, vv, out, attention, weights);
-    if (!options.need_weights || options.average_attn_weights)
+    if (!options.need_weights || options.average_attn_weights) {
       result.weights = Tensor<T, 4>();
+    } else if constexpr (!std::is_same_v<T, C>) {
+      result.weights = workspace.head_weights.template cast<T>();
+    }
     if (options.need_weights && options.average_attn_weights) {
       result.averaged_weights.resize(batch, q_length, kv_length);
       const Index plane = q_length * kv_length;
+      Vector<C> avg(plane);
       for (Index b = 0; b < batch; ++b) {
-        Eigen::Map<Vector<T>> avg(result.averaged_weights.data() + b * plane, plane);
         avg.setZero();
         for (Index h = 0; h < heads; ++h) {
-          avg += Eigen::Map<const Vector<T>>(weights + (b * heads + h) * plane, plane);
+          avg += Eigen::Map<const Vector<C>>(weights + (b * heads + h) * plane, plane);
         }
-        avg /= static_cast<T>(heads);
+        avg /= static_cast<C>(heads);
+        Eigen::Map<Vector<T>>(result.averaged_weights.data() + b * plane, plane) =
+            avg.template cast<T>();
       }
     } else {
       result.averaged_weights = Tensor<T, 3>();
@@ -564,7 +577,7 @@ class MultiHeadAttention {
   /// true = may attend, additive bias). Appended keys (j >= S) are never masked.
   void build_masks(const MultiHeadForwardOptions<T>& options, Index batch, Index q_length,
                    Index k_length, Index kv_length, MultiHeadWorkspace<T>& ws,
-                   AttentionOptions<T>& attention) const {
+                   AttentionOptions<C>& attention) const {
     const Index heads = config_.num_heads;
     const bool extra = kv_length != k_length;
     const MaskArg<bool>& kpm = options.key_padding_mask;
@@ -602,17 +615,23 @@ class MultiHeadAttention {
     if (!fm.empty()) {
       const bool per_head = fm.shape().size() == 3;
       const Index mb = per_head ? batch : 1, mh = per_head ? heads : 1;
-      if (!extra) {
-        // (B*H, L, S) memory is (B, H, L, S): use it in place.
-        attention.bias = Broadcast<T>(fm.data(), {mb, mh, q_length, k_length});
-      } else {
+      bool in_place = false;
+      if constexpr (std::is_same_v<T, C>) {
+        if (!extra) {
+          // (B*H, L, S) memory is (B, H, L, S): use it in place.
+          attention.bias = Broadcast<C>(fm.data(), {mb, mh, q_length, k_length});
+          in_place = true;
+        }
+      }
+      if (!in_place) {  // padded for the extra keys, or widened from 16 bits
         ws.bias.resize(mb, mh, q_length, kv_length);
         for (Index r = 0; r < mb * mh * q_length; ++r) {
-          T* row = ws.bias.data() + r * kv_length;
-          std::copy(fm.data() + r * k_length, fm.data() + (r + 1) * k_length, row);
-          std::fill(row + k_length, row + kv_length, T(0));
+          C* row = ws.bias.data() + r * kv_length;
+          for (Index j = 0; j < k_length; ++j)
+            row[j] = static_cast<C>(fm.data()[r * k_length + j]);
+          std::fill(row + k_length, row + kv_length, C(0));
         }
-        attention.bias = Broadcast<T>(ws.bias.data(), {mb, mh, q_length, kv_length});
+        attention.bias = Broadcast<C>(ws.bias.data(), {mb, mh, q_length, kv_length});
       }
     }
   }
