@@ -29,6 +29,7 @@
 
 #include "attn/config.hpp"
 #include "attn/kernels/chunked.hpp"
+#include "attn/kernels/decode.hpp"
 #include "attn/kernels/flash.hpp"
 #include "attn/kernels/flash_avx512.hpp"
 #include "attn/kernels/naive.hpp"
@@ -40,14 +41,18 @@ namespace attn {
 /// Which kernel computes the attention.
 ///
 /// Extra memory per thread: naive (Lq, Lk); chunked (query_tile, Lk); flash
-/// query_tile * (D + key_tile + Dv + 3), independent of the sequence lengths.
-/// Only naive can return the attention weights: asking chunked or flash for them throws
-/// std::invalid_argument (automatic falls back to naive when weights are requested).
+/// query_tile * (D + key_tile + Dv + 3), independent of the sequence lengths; decode
+/// G * Lq * (D + 64 + Dv + 3) per thread plus ceil(Lk / 512) * G * Lq * (Dv + 2) per
+/// (b, kv head) per call, G = Hq / Hkv (kernels/decode.hpp). Automatic picks decode for
+/// Lq <= decode_max_queries. Only naive can return the attention weights: asking chunked or flash
+/// for them throws std::invalid_argument (automatic falls back to naive when weights are
+/// requested).
 enum class Algorithm : std::uint8_t {
   automatic,  ///< flash, or naive when weights are requested or the problem is tiny
   naive,      ///< materialises the (Lq, Lk) scores; the only one that returns weights
   chunked,    ///< query blocks of query_tile rows against all their visible keys
   flash,      ///< query tiles x key tiles with an online softmax; never holds (Lq, Lk)
+  decode,     ///< few queries, many keys: a GQA group per tile, keys split across threads
 };
 
 /// Default tile sizes, chosen by measurement (bench/bench_attention.cpp, float, D = 64).
@@ -119,6 +124,8 @@ inline const char* algorithm_name(Algorithm algorithm) {
       return "chunked";
     case Algorithm::flash:
       return "flash";
+    case Algorithm::decode:
+      return "decode";
   }
   return "unknown";
 }
@@ -129,7 +136,7 @@ inline Algorithm resolve_algorithm(const char* function, Algorithm requested, bo
   if (requested == Algorithm::automatic) {
     if (wants_weights || q_length * k_length <= tiny_problem_scores)
       return Algorithm::naive;
-    return Algorithm::flash;
+    return q_length <= decode_max_queries ? Algorithm::decode : Algorithm::flash;
   }
   if (wants_weights && requested != Algorithm::naive) {
     throw_invalid_argument(function, std::string("weights were requested with Algorithm::") +
@@ -210,6 +217,11 @@ void scaled_dot_product_attention_into(const HeadsView<const T>& q,  // (B, Hq, 
                                         head_lse);
       }
     }
+    return;
+  }
+
+  if (algorithm == Algorithm::decode) {
+    detail::decode_attention<T, T>(q, k, v, out, mask, scale, logsumexp);
     return;
   }
 
