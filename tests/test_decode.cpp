@@ -246,11 +246,11 @@ TEMPLATE_TEST_CASE("decode matches a double reference and is within 2x naive's e
   using T = TestType;
   std::mt19937 rng(7);
   for (const Index k_length : {1, 7, 300, 5000}) {
-    for (const Index q_length : {1, 2, 3, 8}) {
+    for (const Index q_length : {1, 3, 8}) {
       for (const Index group : {1, 2, 4, 8}) {
         for (int kind = 0; kind < mask_kinds; ++kind) {
           // Big problems only for a few mask kinds: the reference is O(Lq * Lk) per head.
-          if (k_length == 5000 && (group == 2 || kind % 3 != 0 || q_length == 2 || q_length == 3))
+          if (k_length == 5000 && (group == 2 || kind % 3 != 0 || q_length == 3))
             continue;
           const Problem p{2, 2 * group, 2, q_length, k_length, 19, 13, kind};
           INFO(describe(p));
@@ -304,10 +304,10 @@ TEMPLATE_TEST_CASE("decode with half and bfloat16 K and V accumulates in float",
   };
   std::mt19937 rng(11);
   for (const Index k_length : {1, 7, 300, 5000}) {
-    for (const Index q_length : {1, 3, 8}) {
+    for (const Index q_length : {1, 2, 8}) {
       for (const Index group : {1, 4, 8}) {
         for (int kind = 0; kind < mask_kinds; ++kind) {
-          if (k_length == 5000 && (kind % 3 != 0 || q_length == 3))
+          if ((k_length == 5000 && (kind % 3 != 0 || q_length > 1)) || (q_length == 2 && kind % 2))
             continue;
           const Problem p{2, 2 * group, 2, q_length, k_length, 40, 24, kind};
           INFO(describe(p));
@@ -442,6 +442,22 @@ TEST_CASE("decode: fully masked rows give zeros and -inf, NaN propagates", "[dec
   out = run_decode<float>(p, q, k, v, m, 512, 64, &lse);
   for (Index n = 0; n < 4 * 16; ++n)
     REQUIRE(std::isnan(out[static_cast<std::size_t>(n)]) == (n < 2 * 16));
+}
+
+TEST_CASE("decode handles no keys and no queries", "[decode]") {
+  attn::AttentionOptions<float> options;
+  options.algorithm = attn::Algorithm::decode;
+  attn::Tensor<float, 4> q(1, 4, 2, 8), k0(1, 2, 0, 8), v0(1, 2, 0, 3);
+  q.setConstant(1);
+  attn::Tensor<float, 3> lse;
+  const attn::Tensor<float, 4> out =
+      attn::scaled_dot_product_attention(q, k0, v0, options, nullptr, &lse);
+  for (Index n = 0; n < out.size(); ++n)
+    REQUIRE(out.data()[n] == 0.0f);
+  for (Index n = 0; n < lse.size(); ++n)
+    REQUIRE(lse.data()[n] == -std::numeric_limits<float>::infinity());
+  attn::Tensor<float, 4> q0(1, 4, 0, 8), k(1, 2, 5, 8), v(1, 2, 5, 3);
+  REQUIRE(attn::scaled_dot_product_attention(q0, k, v, options).size() == 0);
 }
 
 TEST_CASE("automatic picks decode for few queries", "[decode]") {

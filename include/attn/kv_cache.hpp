@@ -180,7 +180,6 @@ class KVCache {
                    const HeadsView<compute_type>& out,      // (B, Hq, Lq, Dv)
                    const AttentionOptions<compute_type>& options = {},
                    compute_type* logsumexp = nullptr) const {  // (B, Hq, Lq) or null
-    using C = compute_type;
     constexpr const char* function = "KVCache::attend";
     const auto shapes = [&] {
       return "q is " + detail::shape_string({q.batch, q.heads, q.length, q.dim}) + ", out is " +
