@@ -149,24 +149,6 @@ Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> block_as(const HeadsView<co
   }
 }
 
-/// Asks for rows [j0, j0 + rows) of head (b, h) of `x` to be brought into the caches while
-/// the current block is computed: a decode step is a long read of K and V, and the
-/// hardware prefetcher alone leaves gaps between a block's arithmetic and the next block's
-/// loads (measured: see bench/bench_decode.cpp).
-template <class S>
-void prefetch_rows(const HeadsView<const S>& x, Index b, Index h, Index j0, Index rows) {
-#if defined(__GNUC__)
-  constexpr Index line = 64 / static_cast<Index>(sizeof(S));  // elements per cache line
-  const S* first = x.data + b * x.batch_stride + h * x.head_stride + j0 * x.row_stride;
-  for (Index r = 0; r < rows; ++r) {
-    for (Index d = 0; d < x.dim; d += line)
-      __builtin_prefetch(first + r * x.row_stride + d, 0, 0);
-  }
-#else
-  (void)x, (void)b, (void)h, (void)j0, (void)rows;
-#endif
-}
-
 /// One split [j0, j1) of one (b, kv head): the partial online softmax of all R = G * Lq rows
 /// of the group, written as m (R), l (R), acc (R, Dv) at `partial`. Rows that see no key of
 /// the split get m = -inf, l = 0 (acc is then not written).
@@ -208,11 +190,6 @@ void decode_split(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
     const TileVisibility visibility = mask.classify(b, kv_head * group, 0, q_length, c0, c1);
     if (visibility == TileVisibility::hidden)
       continue;
-    if (c1 < hi) {
-      const Index next = std::min(key_block, hi - c1);
-      prefetch_rows(k, b, kv_head, c1, next);
-      prefetch_rows(v, b, kv_head, c1, next);
-    }
     const auto k_block = block_as<T>(k, b, kv_head, c0, cols, workspace.k);
     Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> s(workspace.s.data(), rows, cols,
                                                      Eigen::OuterStride<>(workspace.s.cols()));
