@@ -57,9 +57,11 @@
 
 namespace attn {
 
-/// Algorithm::automatic uses the decode kernel for at most this many queries per head
-/// (chosen by measurement, bench/bench_decode.cpp).
-inline constexpr Index decode_max_queries = 8;
+/// Algorithm::automatic uses the decode kernel for at most this many queries per head.
+/// Measured (bench_decode's decode_vs_flash_by_Lq, Lk = 4096, D = 128, one thread): decode
+/// is 1.7x / 4.1x faster than flash at Lq = 1 (MHA / GQA 32/8), 1.0x / 1.6x at Lq = 4, and
+/// 0.76x / 1.0x at Lq = 8: its row-by-row products cost G * Lq passes over each key block.
+inline constexpr Index decode_max_queries = 4;
 /// Keys per split of the decode kernel: the unit of parallel work and of the merge.
 inline constexpr Index decode_split_keys = 512;
 /// Keys per block inside a split (converted, scored and accumulated together).
