@@ -1,21 +1,27 @@
-// bench/bench_decode.cpp: decoding, one new query against a KV length of 512 to 32768.
+// bench/bench_decode.cpp: decoding, a few new queries against a KV length of 512 to 32768.
 //
-//   q    (B, Hq, 1, D)      the new token's queries
-//   k, v (B, Hkv, Lk, D)    the keys and values seen so far (a KV cache), float
-//   out  (B, Hq, 1, D)
+//   q    (B, Hq, Lq, D)     the new tokens' queries, float; Lq = 1 unless said otherwise
+//   k, v (B, Hkv, Lk, D)    the keys and values seen so far (a KV cache), float or half
+//   out  (B, Hq, Lq, D)
 //
 // Decoding is memory-bound: every call streams K and V once and does 4 * Hq * Lk * D FLOPs
-// against 2 * Hkv * Lk * D * 4 bytes. The counter that matters is "KV_bytes", the bytes of
-// K and V a call must read (once per kv head, however many query heads share it), as a rate;
-// "bandwidth" is a plain streaming probe (the sum of a 512 MiB float array, one pass per
-// iteration) in the same binary, the ceiling to read it against.
+// against 2 * Hkv * Lk * D * sizeof(K) bytes. The counter that matters is "KV_bytes", the
+// bytes of K and V a call must read (once per kv head, however many query heads share it),
+// as a rate; "bandwidth" is a plain streaming probe (the sum of a 512 MiB float array, one
+// pass per iteration) in the same binary, the ceiling to read it against.
 //
-// Shapes: Hq = Hkv = 8 and grouped-query Hq = 32, Hkv = 8; D = 64 and 128; B = 1; bottom-right
-// causal (the new token sees every key); the default automatic algorithm (flash, whose query
-// tiles here hold one row: a decode-specific kernel that splits the keys across threads is
-// the next step). Validated against naive once before timing.
+// Families (args Lq, Lk, Hq, Hkv, D, threads, half, kernel; kernel 1 flash, 2 decode,
+// 3 naive):
+//   decode                 the decode kernel (kernels/decode.hpp), Hq = Hkv = 8 and GQA 32/8,
+//                          D = 64, 128, K and V float (half:0) or Eigen::half (half:1, the
+//                          kernel called directly: the public API is same-type for now)
+//   decode_before          what one query ran before the decode kernel: naive (automatic's
+//                          choice for Lq * Lk <= 64 * 64) and flash
+//   decode_vs_flash_by_Lq  Lq = 1 .. 32 at Lk = 4096: where decode stops paying
+// B = 1; bottom-right causal (the new tokens see every key). Every benchmark is validated
+// against naive on the same (rounded) inputs before timing.
 //
-//   build/dev/bench/bench_decode
+//   build/dev/bench/bench_decode --benchmark_filter='decode/'
 // ATTN_BENCH_SMOKE=1 (ctest) shrinks every size.
 #include <benchmark/benchmark.h>
 
@@ -61,48 +67,86 @@ void BM_bandwidth(benchmark::State& state) {
   set_threads(1);
 }
 
+enum class Kernel : std::int64_t { automatic = 0, flash = 1, decode = 2, naive = 3 };
+
+/// One call of Lq queries (B = 1) against Lk keys, K and V stored as float (half = 0) or
+/// Eigen::half (half = 1; the decode kernel is called directly, the public API being
+/// same-type for now). Validated against naive on the same (rounded) values before timing.
 void BM_decode(benchmark::State& state) {
-  const Index k_length = state.range(0), q_heads = state.range(1), kv_heads = state.range(2),
-              dim = state.range(3);
-  const int threads = static_cast<int>(state.range(4));
+  const Index q_length = state.range(0), k_length = state.range(1), q_heads = state.range(2),
+              kv_heads = state.range(3), dim = state.range(4);
+  const int threads = static_cast<int>(state.range(5));
+  const bool half = state.range(6) != 0;
+  const auto kernel = static_cast<Kernel>(state.range(7));
   set_threads(threads);
-  std::vector<float> q(static_cast<std::size_t>(q_heads * dim)),
-      k(static_cast<std::size_t>(kv_heads * k_length * dim)),
-      v(static_cast<std::size_t>(kv_heads * k_length * dim)),
-      out(static_cast<std::size_t>(q_heads * dim)), reference(out.size());
+  const auto elements = [](Index n) { return static_cast<std::size_t>(n); };
+  std::vector<float> q(elements(q_heads * q_length * dim)), k(elements(kv_heads * k_length * dim)),
+      v(elements(kv_heads * k_length * dim)), out(elements(q_heads * q_length * dim)),
+      reference(out.size());
   attn_bench::fill_normal(q, 1u);
   attn_bench::fill_normal(k, 2u);
   attn_bench::fill_normal(v, 3u);
+  std::vector<Eigen::half> k_half, v_half;
+  if (half) {
+    k_half.resize(k.size());
+    v_half.resize(v.size());
+    for (std::size_t n = 0; n < k.size(); ++n) {  // the reference sees the rounded values
+      k_half[n] = Eigen::half(k[n]);
+      v_half[n] = Eigen::half(v[n]);
+      k[n] = static_cast<float>(k_half[n]);
+      v[n] = static_cast<float>(v_half[n]);
+    }
+  }
   const auto qv =
-      attn::bhld_view(static_cast<const float*>(q.data()), Index(1), q_heads, Index(1), dim);
+      attn::bhld_view(static_cast<const float*>(q.data()), Index(1), q_heads, q_length, dim);
   const auto kv =
       attn::bhld_view(static_cast<const float*>(k.data()), Index(1), kv_heads, k_length, dim);
   const auto vv =
       attn::bhld_view(static_cast<const float*>(v.data()), Index(1), kv_heads, k_length, dim);
+  const auto kh = attn::bhld_view(static_cast<const Eigen::half*>(k_half.data()), Index(1),
+                                  kv_heads, k_length, dim);
+  const auto vh = attn::bhld_view(static_cast<const Eigen::half*>(v_half.data()), Index(1),
+                                  kv_heads, k_length, dim);
   attn::AttentionOptions<float> options;
   options.causal = attn::Causal::bottom_right;
-  const auto run = [&](std::vector<float>& result, attn::Algorithm algorithm) {
-    options.algorithm = algorithm;
-    attn::scaled_dot_product_attention_into<float>(
-        qv, kv, vv, attn::bhld_view(result.data(), Index(1), q_heads, Index(1), dim), options);
+  const attn::Mask<float> mask("bench_decode", 1, q_heads, q_length, k_length, options.causal,
+                               options.window, options.key_lengths, options.keep_mask,
+                               options.bias);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  const auto run = [&](std::vector<float>& result, Kernel which) {
+    const auto out_view = attn::bhld_view(result.data(), Index(1), q_heads, q_length, dim);
+    if (half) {
+      attn::detail::decode_attention<float, Eigen::half>(qv, kh, vh, out_view, mask, scale,
+                                                         nullptr);
+      return;
+    }
+    options.algorithm = which == Kernel::flash    ? attn::Algorithm::flash
+                        : which == Kernel::decode ? attn::Algorithm::decode
+                        : which == Kernel::naive  ? attn::Algorithm::naive
+                                                  : attn::Algorithm::automatic;
+    attn::scaled_dot_product_attention_into<float>(qv, kv, vv, out_view, options);
   };
-  run(reference, attn::Algorithm::naive);
-  run(out, attn::Algorithm::automatic);
+  options.algorithm = attn::Algorithm::naive;
+  attn::scaled_dot_product_attention_into<float>(
+      qv, kv, vv, attn::bhld_view(reference.data(), Index(1), q_heads, q_length, dim), options);
+  run(out, kernel);
   const float worst = attn_bench::max_abs_diff(out.data(), reference.data(), out.size());
   if (!(worst < 1e-4f)) {
     state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
     return;
   }
   for (auto _ : state) {
-    run(out, attn::Algorithm::automatic);
+    run(out, kernel);
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
-  const double kv_bytes = 2.0 * static_cast<double>(kv_heads * k_length * dim) * sizeof(float);
+  const double kv_bytes = 2.0 * static_cast<double>(kv_heads * k_length * dim) *
+                          static_cast<double>(half ? sizeof(Eigen::half) : sizeof(float));
   state.counters["KV_bytes"] = benchmark::Counter(
       kv_bytes, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1024);
-  state.counters["FLOPS"] = benchmark::Counter(4.0 * static_cast<double>(q_heads * k_length * dim),
-                                               benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["FLOPS"] =
+      benchmark::Counter(4.0 * static_cast<double>(q_heads * q_length * k_length * dim),
+                         benchmark::Counter::kIsIterationInvariantRate);
   set_threads(1);
 }
 
@@ -115,15 +159,54 @@ void register_all() {
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
   const std::vector<std::int64_t> lengths =
-      tiny ? std::vector<std::int64_t>{512} : std::vector<std::int64_t>{512, 2048, 8192, 32768};
+      tiny ? std::vector<std::int64_t>{512}
+           : std::vector<std::int64_t>{512, 2048, 8192, 16384, 32768};
+  const std::vector<std::string> arg_names{"Lq", "Lk",      "Hq",   "Hkv",
+                                           "D",  "threads", "half", "kernel"};
+  const auto kernel = [](Kernel k) { return static_cast<std::int64_t>(k); };
+  // The decode kernel (explicitly: automatic sends Lq * Lk <= 64 * 64 to naive), K and V in
+  // float and in half.
   for (const auto& [q_heads, kv_heads] : {std::pair<std::int64_t, std::int64_t>{8, 8},
                                           std::pair<std::int64_t, std::int64_t>{32, 8}}) {
     benchmark::RegisterBenchmark("decode", BM_decode)
-        ->ArgNames({"Lk", "Hq", "Hkv", "D", "threads"})
-        ->ArgsProduct({lengths, {q_heads}, {kv_heads}, {64, 128}, {1, 2}})
+        ->ArgNames(arg_names)
+        ->ArgsProduct({{1},
+                       lengths,
+                       {q_heads},
+                       {kv_heads},
+                       {64, 128},
+                       {1, 2},
+                       {0, 1},
+                       {kernel(Kernel::decode)}})
         ->UseRealTime()
         ->Unit(benchmark::kMicrosecond);
   }
+  // What one query used before: naive for Lk <= 4096 (automatic's tiny rule), else flash.
+  for (const Kernel before : {Kernel::naive, Kernel::flash}) {
+    const std::vector<std::int64_t> before_lengths =
+        tiny ? lengths
+             : (before == Kernel::naive ? std::vector<std::int64_t>{512, 2048}
+                                        : std::vector<std::int64_t>{8192, 32768});
+    benchmark::RegisterBenchmark("decode_before", BM_decode)
+        ->ArgNames(arg_names)
+        ->ArgsProduct({{1}, before_lengths, {8, 32}, {8}, {64, 128}, {1, 2}, {0}, {kernel(before)}})
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+  }
+  // Where decode stops paying: Lq queries per head, decode kernel against flash.
+  benchmark::RegisterBenchmark("decode_vs_flash_by_Lq", BM_decode)
+      ->ArgNames(arg_names)
+      ->ArgsProduct(
+          {tiny ? std::vector<std::int64_t>{2} : std::vector<std::int64_t>{1, 2, 4, 8, 16, 32},
+           {tiny ? 512 : 4096},
+           {8, 32},
+           {8},
+           {128},
+           {1},
+           {0},
+           {kernel(Kernel::flash), kernel(Kernel::decode)}})
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
 }
 
 }  // namespace

@@ -145,13 +145,15 @@ const char* algorithm_name(attn::Algorithm algorithm) {
       return "chunked";
     case attn::Algorithm::flash:
       return "flash";
+    case attn::Algorithm::decode:
+      return "decode";
     default:
       return "automatic";
   }
 }
 
 constexpr attn::Algorithm all_algorithms[] = {attn::Algorithm::naive, attn::Algorithm::chunked,
-                                              attn::Algorithm::flash};
+                                              attn::Algorithm::flash, attn::Algorithm::decode};
 
 template <class S>
 void check_16bit_storage(const char* type_name) {

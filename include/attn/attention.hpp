@@ -29,6 +29,7 @@
 
 #include "attn/config.hpp"
 #include "attn/kernels/chunked.hpp"
+#include "attn/kernels/decode.hpp"
 #include "attn/kernels/flash.hpp"
 #include "attn/kernels/flash_avx512.hpp"
 #include "attn/kernels/naive.hpp"
@@ -41,14 +42,18 @@ namespace attn {
 /// Which kernel computes the attention.
 ///
 /// Extra memory per thread: naive (Lq, Lk); chunked (query_tile, Lk); flash
-/// query_tile * (D + key_tile + Dv + 3), independent of the sequence lengths.
-/// Only naive can return the attention weights: asking chunked or flash for them throws
-/// std::invalid_argument (automatic falls back to naive when weights are requested).
+/// query_tile * (D + key_tile + Dv + 3), independent of the sequence lengths; decode
+/// G * Lq * (D + 64 + Dv + 3) per thread plus ceil(Lk / 512) * G * Lq * (Dv + 2) per
+/// (b, kv head) per call, G = Hq / Hkv (kernels/decode.hpp). Automatic picks decode for
+/// Lq <= decode_max_queries. Only naive can return the attention weights: asking chunked or flash
+/// for them throws std::invalid_argument (automatic falls back to naive when weights are
+/// requested).
 enum class Algorithm : std::uint8_t {
   automatic,  ///< flash, or naive when weights are requested or the problem is tiny
   naive,      ///< materialises the (Lq, Lk) scores; the only one that returns weights
   chunked,    ///< query blocks of query_tile rows against all their visible keys
   flash,      ///< query tiles x key tiles with an online softmax; never holds (Lq, Lk)
+  decode,     ///< few queries, many keys: a GQA group per tile, keys split across threads
 };
 
 /// Default tile sizes, chosen by measurement (bench/bench_attention.cpp, float, D = 64).
@@ -120,6 +125,8 @@ inline const char* algorithm_name(Algorithm algorithm) {
       return "chunked";
     case Algorithm::flash:
       return "flash";
+    case Algorithm::decode:
+      return "decode";
   }
   return "unknown";
 }
@@ -130,7 +137,7 @@ inline Algorithm resolve_algorithm(const char* function, Algorithm requested, bo
   if (requested == Algorithm::automatic) {
     if (wants_weights || q_length * k_length <= tiny_problem_scores)
       return Algorithm::naive;
-    return Algorithm::flash;
+    return q_length <= decode_max_queries ? Algorithm::decode : Algorithm::flash;
   }
   if (wants_weights && requested != Algorithm::naive) {
     throw_invalid_argument(function, std::string("weights were requested with Algorithm::") +
@@ -220,6 +227,40 @@ void attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
                                 out_rows.rows(out.head(b, h), 0, q_length), mask, b, h, scale,
                                 workspace, head_weights, head_lse);
         out_rows.store(out.head(b, h), 0, q_length);
+      }
+    }
+    return;
+  }
+
+  if (algorithm == Algorithm::decode) {
+    // Few query rows: 16-bit q and out are widened and narrowed whole, (B, Hq, Lq, D + Dv).
+    std::vector<T> q_wide, out_wide;
+    HeadsView<const T> q_view;
+    HeadsView<T> out_view;
+    if constexpr (std::is_same_v<TQ, T>) {
+      q_view = q;
+    } else {
+      q_wide.resize(static_cast<std::size_t>(batch * q_heads * q_length * q.dim));
+      q_view = bhld_view(static_cast<const T*>(q_wide.data()), batch, q_heads, q_length, q.dim);
+      for (Index b = 0; b < batch; ++b) {
+        for (Index h = 0; h < q_heads; ++h) {
+          for (Index i = 0; i < q_length; ++i)
+            widen(q.head(b, h).row(i).data(),
+                  q_wide.data() + ((b * q_heads + h) * q_length + i) * q.dim, q.dim);
+        }
+      }
+    }
+    if constexpr (std::is_same_v<TO, T>) {
+      out_view = out;
+    } else {
+      out_wide.resize(static_cast<std::size_t>(batch * q_heads * q_length * v.dim));
+      out_view = bhld_view(out_wide.data(), batch, q_heads, q_length, v.dim);
+    }
+    decode_attention<T, TKV>(q_view, k, v, out_view, mask, scale, logsumexp);
+    if constexpr (!std::is_same_v<TO, T>) {
+      for (Index b = 0; b < batch; ++b) {
+        for (Index h = 0; h < q_heads; ++h)
+          out.head(b, h) = out_view.head(b, h).template cast<TO>();
       }
     }
     return;

@@ -5,6 +5,7 @@
 #include "attn/config.hpp"
 #include "attn/heads.hpp"
 #include "attn/init.hpp"
+#include "attn/kv_cache.hpp"
 #include "attn/linear_attention.hpp"
 #include "attn/mask.hpp"
 #include "attn/multihead.hpp"

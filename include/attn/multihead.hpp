@@ -48,6 +48,7 @@
 #include "attn/config.hpp"
 #include "attn/heads.hpp"
 #include "attn/init.hpp"
+#include "attn/kv_cache.hpp"
 #include "attn/mask.hpp"
 #include "attn/precision.hpp"
 #include "attn/projection.hpp"
@@ -331,6 +332,66 @@ class MultiHeadAttention {
     MultiHeadWorkspace<T> workspace;
     forward_into(query, key, value, options, result, workspace);
     return result;
+  }
+
+  /// Incremental self-attention for autoregressive decoding: projects the Lnew new tokens
+  /// x_new (B, Lnew, E) (one fused GEMM), appends their keys and values to `cache` (created
+  /// as KVCache<S>(B, Hkv, D, D, capacity); S may be half or bfloat16 for a float module),
+  /// attends with the bottom-right causal mask against everything cached (so the new
+  /// tokens see the earlier ones and each other causally), then the output projection.
+  /// Returns (B, Lnew, E). Feeding a sequence in any chunks gives the causal forward() of
+  /// the whole sequence. `attention` may add a window, ALiBi slopes or a softcap; causal
+  /// and key_lengths come from the cache. Needs kdim = vdim = E and neither add_bias_kv
+  /// nor add_zero_attn.
+  template <class S>
+  Tensor<T, 3> forward_incremental(const Tensor<T, 3>& x_new,  // (B, Lnew, E)
+                                   KVCache<S>& cache,
+                                   const AttentionOptions<T>& attention = {}) const {
+    static_assert(std::is_same_v<T, typename KVCache<S>::compute_type>,
+                  "MultiHeadAttention::forward_incremental: the cache's compute type must be T");
+    constexpr const char* function = "MultiHeadAttention::forward_incremental";
+    const Index batch = x_new.dimension(0), length = x_new.dimension(1);
+    const Index e = config_.embed_dim, ekv = kv_width(), d = head_dim();
+    const Index heads = config_.num_heads, kv_heads = config_.num_kv_heads;
+    if (!is_same_embed_dim() || config_.add_bias_kv || config_.add_zero_attn) {
+      detail::throw_invalid_argument(
+          function, "needs kdim = vdim = embed_dim and neither add_bias_kv nor add_zero_attn");
+    }
+    if (x_new.dimension(2) != e) {
+      detail::throw_invalid_argument(function, "x_new is " + shape3(x_new) + " but embed_dim is " +
+                                                   std::to_string(e) + ": widths differ");
+    }
+    if (cache.batch() != batch || cache.kv_heads() != kv_heads || cache.dim() != d ||
+        cache.value_dim() != d) {
+      detail::throw_invalid_argument(
+          function, "x_new is " + shape3(x_new) + " but the cache is (B, Hkv, D, Dv) = " +
+                        detail::shape_string(
+                            {cache.batch(), cache.kv_heads(), cache.dim(), cache.value_dim()}) +
+                        ": it must be " + detail::shape_string({batch, kv_heads, d, d}));
+    }
+    if (attention.causal != Causal::none || !attention.key_lengths.empty()) {
+      detail::throw_invalid_argument(
+          function,
+          "attention.causal and attention.key_lengths must be unset: the cache "
+          "applies the bottom-right causal mask and its own lengths");
+    }
+    // pass 1: q | k | v of the new tokens, one GEMM into (B, Lnew, E + 2*Ekv).
+    const Index width = e + 2 * ekv;
+    Matrix<T> qkv(batch * length, width);
+    const Linear<T>& in = in_proj_.fused_linear();
+    project_rows(x_new, in.weight(), in.has_bias() ? in.bias().data() : nullptr, qkv.data(), length,
+                 width);
+    cache.append(strided(qkv.data() + e, batch, length, kv_heads, d, length, width),
+                 strided(qkv.data() + e + ekv, batch, length, kv_heads, d, length, width));
+    // pass 2: attention against the whole cache, written as (B, Lnew, H, D) = (B, Lnew, E).
+    Matrix<T> merged(batch * length, e);
+    cache.attend_into(strided(qkv.data(), batch, length, heads, d, length, width),
+                      blhd_view(merged.data(), batch, length, heads, d), attention);
+    // pass 3: output projection.
+    Tensor<T, 3> output(batch, length, e);
+    out_proj_.apply_into(ConstRowsMap<T>(merged.data(), batch * length, e, Eigen::OuterStride<>(e)),
+                         RowsMap<T>(output.data(), batch * length, e, Eigen::OuterStride<>(e)));
+    return output;
   }
 
   /// Same, into `result` with the scratch buffers of `workspace`: no allocation when the

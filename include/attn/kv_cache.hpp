@@ -1,0 +1,332 @@
+// attn/kv_cache.hpp: a key/value cache for autoregressive decoding.
+//
+//   keys    (B, Hkv, capacity, D)    S: float, double, Eigen::half or Eigen::bfloat16
+//   values  (B, Hkv, capacity, Dv)   S
+//   lengths (B)                      tokens held per sequence; each <= capacity
+//
+// Each (b, kv head) owns `capacity` contiguous rows, so appending a token writes one row per
+// head and never moves the others. Sequences may hold different numbers of tokens (ragged
+// prompts): rows at or beyond lengths[b] are unused. When an append does not fit, the
+// capacity grows geometrically (at least doubling) if allow_growth is set, so a sequence
+// built token by token is copied O(log L) times, O(1) amortised per token; otherwise the
+// append throws and the cache is unchanged.
+//
+// attend() computes the attention of Lq new queries against every cached token with the
+// bottom-right causal alignment: the queries are the last Lq tokens of each sequence (they
+// must have been appended first), so query i of sequence b sees keys j <= lengths[b] - Lq + i.
+// Compute type C: double for S = double, float otherwise. K and V in half or bfloat16 are
+// converted to float as they are streamed and every sum is accumulated in float
+// (kernels/decode.hpp).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "attn/attention.hpp"
+#include "attn/config.hpp"
+#include "attn/kernels/decode.hpp"
+#include "attn/mask.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn {
+
+/// Key/value cache of B sequences, Hkv heads, head dims D (keys) and Dv (values).
+template <class S>
+class KVCache {
+  static_assert(std::is_same_v<S, float> || std::is_same_v<S, double> ||
+                    std::is_same_v<S, Eigen::half> || std::is_same_v<S, Eigen::bfloat16>,
+                "KVCache: S must be float, double, Eigen::half or Eigen::bfloat16");
+
+ public:
+  using storage_type = S;
+  /// The type of queries, outputs and accumulation: double for a double cache, else float.
+  using compute_type = std::conditional_t<std::is_same_v<S, double>, double, float>;
+
+  KVCache() = default;
+  /// An empty cache (every length 0) with room for `capacity` tokens per sequence.
+  KVCache(Index batch, Index kv_heads, Index dim, Index value_dim, Index capacity,
+          bool allow_growth = true)
+      : batch_(batch),
+        kv_heads_(kv_heads),
+        dim_(dim),
+        value_dim_(value_dim),
+        allow_growth_(allow_growth),
+        lengths_(static_cast<std::size_t>(std::max(batch, Index(0))), 0) {
+    if (batch < 1 || kv_heads < 1 || dim < 1 || value_dim < 1 || capacity < 0) {
+      detail::throw_invalid_argument("KVCache",
+                                     "(B, Hkv, D, Dv) is " +
+                                         detail::shape_string({batch, kv_heads, dim, value_dim}) +
+                                         " and capacity " + std::to_string(capacity) +
+                                         ": sizes must be positive and the capacity >= 0");
+    }
+    allocate(capacity);
+  }
+
+  Index batch() const { return batch_; }
+  Index kv_heads() const { return kv_heads_; }
+  Index dim() const { return dim_; }
+  Index value_dim() const { return value_dim_; }
+  Index capacity() const { return capacity_; }
+  bool allow_growth() const { return allow_growth_; }
+  /// (B) tokens held per sequence.
+  const std::vector<Index>& lengths() const { return lengths_; }
+  /// The longest sequence: the L of keys_view() and values_view().
+  Index max_length() const {
+    return lengths_.empty() ? 0 : *std::max_element(lengths_.begin(), lengths_.end());
+  }
+
+  /// Empties every sequence; keeps the capacity.
+  void clear() { std::fill(lengths_.begin(), lengths_.end(), Index(0)); }
+
+  /// Makes room for at least `capacity` tokens per sequence (never shrinks). Allowed even
+  /// when allow_growth is off: that flag only stops append() from growing implicitly.
+  void reserve(Index capacity) {
+    if (capacity > capacity_)
+      allocate(capacity);
+  }
+
+  /// (B, Hkv, max_length, D) view of the keys: rows j >= lengths()[b] of sequence b are
+  /// unused (pass lengths() as AttentionOptions::key_lengths). B and H strides span the
+  /// whole capacity; valid until the next append, reserve or destruction.
+  HeadsView<const S> keys_view() const { return view(keys_.data(), dim_); }
+  /// (B, Hkv, max_length, Dv) view of the values, as keys_view().
+  HeadsView<const S> values_view() const { return view(values_.data(), value_dim_); }
+
+  /// Appends Lnew tokens to every sequence, converting them to S. keys (B, Hkv, Lnew, D),
+  /// values (B, Hkv, Lnew, Dv), any strided layout, of any floating type U (float, double
+  /// or S). `counts` (B), if given, says how many of the Lnew rows are real for each
+  /// sequence (ragged prompts; the rest are ignored); by default all Lnew are.
+  template <class U>
+  void append(const HeadsView<const U>& keys,    // (B, Hkv, Lnew, D)
+              const HeadsView<const U>& values,  // (B, Hkv, Lnew, Dv)
+              const std::vector<Index>& counts = {}) {
+    constexpr const char* function = "KVCache::append";
+    const auto shapes = [&] {
+      return "keys are " + detail::shape_string({keys.batch, keys.heads, keys.length, keys.dim}) +
+             ", values are " +
+             detail::shape_string({values.batch, values.heads, values.length, values.dim}) +
+             " and the cache is (B, Hkv, D, Dv) = " +
+             detail::shape_string({batch_, kv_heads_, dim_, value_dim_});
+    };
+    if (keys.batch != batch_ || values.batch != batch_)
+      detail::throw_invalid_argument(function, shapes() + ": batch sizes differ");
+    if (keys.heads != kv_heads_ || values.heads != kv_heads_)
+      detail::throw_invalid_argument(function, shapes() + ": head counts differ");
+    if (keys.dim != dim_ || values.dim != value_dim_)
+      detail::throw_invalid_argument(function, shapes() + ": head dims differ");
+    if (keys.length != values.length)
+      detail::throw_invalid_argument(function, shapes() + ": keys and values lengths differ");
+    const Index added = keys.length;
+    if (!counts.empty()) {
+      if (static_cast<Index>(counts.size()) != batch_) {
+        detail::throw_invalid_argument(function, "counts has " + std::to_string(counts.size()) +
+                                                     " entries but the batch size is " +
+                                                     std::to_string(batch_));
+      }
+      for (std::size_t b = 0; b < counts.size(); ++b) {
+        if (counts[b] < 0 || counts[b] > added) {
+          detail::throw_invalid_argument(
+              function, "counts[" + std::to_string(b) + "] is " + std::to_string(counts[b]) +
+                            ": must lie in [0, Lnew] with Lnew = " + std::to_string(added));
+        }
+      }
+    }
+    const auto count = [&](Index b) {
+      return counts.empty() ? added : counts[static_cast<std::size_t>(b)];
+    };
+    Index needed = 0;
+    for (Index b = 0; b < batch_; ++b)
+      needed = std::max(needed, lengths_[static_cast<std::size_t>(b)] + count(b));
+    if (needed > capacity_) {
+      if (!allow_growth_) {
+        detail::throw_invalid_argument(
+            function, "appending " + std::to_string(added) + " tokens to lengths " +
+                          lengths_string() + " needs " + std::to_string(needed) +
+                          " rows but the capacity is " + std::to_string(capacity_) +
+                          " and allow_growth is off");
+      }
+      allocate(std::max(needed, 2 * capacity_));  // geometric: O(1) amortised per token
+    }
+    for (Index b = 0; b < batch_; ++b) {
+      const Index length = lengths_[static_cast<std::size_t>(b)], n = count(b);
+      for (Index h = 0; h < kv_heads_; ++h) {
+        store(keys, b, h, n, keys_.data() + row_offset(b, h, length, dim_), dim_);
+        store(values, b, h, n, values_.data() + row_offset(b, h, length, value_dim_), value_dim_);
+      }
+      lengths_[static_cast<std::size_t>(b)] = length + n;
+    }
+  }
+
+  /// append() for rank-4 tensors or tensor maps (B, Hkv, Lnew, D) and (B, Hkv, Lnew, Dv).
+  template <class TK, class TV, class = std::enable_if_t<detail::is_rank4_tensor_v<TK>>>
+  void append(const TK& keys, const TV& values, const std::vector<Index>& counts = {}) {
+    append<detail::rank4_scalar_t<TK>>(detail::as_heads_view(keys), detail::as_heads_view(values),
+                                       counts);
+  }
+
+  /// Attention of Lq new queries q (B, Hq, Lq, D), the last Lq tokens of every sequence,
+  /// against the cache, written into out (B, Hq, Lq, Dv) (any strided views), with the
+  /// bottom-right causal alignment per sequence. `options` may add a window, ALiBi slopes,
+  /// a softcap, a scale, a keep-mask and a bias (both broadcastable to (B, Hq, Lq, Lk),
+  /// Lk = max_length(); when the lengths differ only masks and biases without a B and Lk
+  /// extent are accepted); its causal and key_lengths must be left unset (the cache decides
+  /// them). `logsumexp` (B, Hq, Lq) contiguous, or null.
+  void attend_into(const HeadsView<const compute_type>& q,  // (B, Hq, Lq, D)
+                   const HeadsView<compute_type>& out,      // (B, Hq, Lq, Dv)
+                   const AttentionOptions<compute_type>& options = {},
+                   compute_type* logsumexp = nullptr) const {  // (B, Hq, Lq) or null
+    constexpr const char* function = "KVCache::attend";
+    const auto shapes = [&] {
+      return "q is " + detail::shape_string({q.batch, q.heads, q.length, q.dim}) + ", out is " +
+             detail::shape_string({out.batch, out.heads, out.length, out.dim}) +
+             " and the cache is (B, Hkv, D, Dv) = " +
+             detail::shape_string({batch_, kv_heads_, dim_, value_dim_});
+    };
+    if (q.batch != batch_ || out.batch != batch_)
+      detail::throw_invalid_argument(function, shapes() + ": batch sizes differ");
+    if (q.dim != dim_)
+      detail::throw_invalid_argument(function, shapes() + ": q and the keys' head dims differ");
+    if (q.heads < 1 || q.heads % kv_heads_ != 0) {
+      detail::throw_invalid_argument(
+          function, shapes() + ": query heads must be a positive multiple of key/value heads");
+    }
+    if (out.heads != q.heads || out.length != q.length || out.dim != value_dim_)
+      detail::throw_invalid_argument(function, shapes() + ": out must be (B, Hq, Lq, Dv)");
+    if (options.causal != Causal::none || !options.key_lengths.empty()) {
+      detail::throw_invalid_argument(
+          function,
+          "options.causal and options.key_lengths must be unset: the cache applies "
+          "the bottom-right causal mask and its own lengths");
+    }
+    for (Index b = 0; b < batch_; ++b) {
+      if (lengths_[static_cast<std::size_t>(b)] < q.length) {
+        detail::throw_invalid_argument(
+            function, shapes() + ": " + std::to_string(q.length) + " queries but sequence " +
+                          std::to_string(b) + " holds only " +
+                          std::to_string(lengths_[static_cast<std::size_t>(b)]) +
+                          " tokens (append the new tokens first)");
+      }
+    }
+    if (q.length == 0)
+      return;
+    AttentionOptions<C> o = options;
+    o.causal = Causal::bottom_right;
+    const Index length = max_length();
+    const bool ragged =
+        std::any_of(lengths_.begin(), lengths_.end(), [&](Index n) { return n != length; });
+    if (!ragged) {
+      run(q, keys_view(), values_view(), out, o, logsumexp);
+      return;
+    }
+    // Bottom-right alignment is per sequence (query i of b sees j <= lengths[b] - Lq + i), and
+    // Mask measures it from one Lk: attend sequence by sequence, each with its own Lk.
+    const auto broadcast_ok = [&](const auto& m) {
+      return m.empty() || (m.dims()[0] == 1 && m.dims()[3] == 1);
+    };
+    if (!broadcast_ok(options.keep_mask) || !broadcast_ok(options.bias)) {
+      detail::throw_invalid_argument(
+          function, "the sequences hold different numbers of tokens " + lengths_string() +
+                        ": keep_mask and bias must then have extent 1 in B and Lk");
+    }
+    for (Index b = 0; b < batch_; ++b) {
+      const auto one = [&](auto view) {
+        view.data += b * view.batch_stride;
+        view.batch = 1;
+        return view;
+      };
+      HeadsView<const S> k = one(keys_view()), v = one(values_view());
+      k.length = v.length = lengths_[static_cast<std::size_t>(b)];
+      run(one(q), k, v, one(out), o,
+          logsumexp != nullptr ? logsumexp + b * q.heads * q.length : nullptr);
+    }
+  }
+
+  /// attend_into() returning out (B, Hq, Lq, Dv); q is a rank-4 tensor (B, Hq, Lq, D).
+  Tensor<compute_type, 4> attend(const Tensor<compute_type, 4>& q,  // (B, Hq, Lq, D)
+                                 const AttentionOptions<compute_type>& options = {}) const {
+    Tensor<compute_type, 4> out(q.dimension(0), q.dimension(1), q.dimension(2), value_dim_);
+    attend_into(bhld_view(q), bhld_view(out), options);
+    return out;
+  }
+
+ private:
+  using C = compute_type;
+
+  /// One attention call on views of equal-length sequences, through the public entry point:
+  /// decode for a few queries, flash for a prompt; a 16-bit cache is widened as it is read.
+  static void run(const HeadsView<const C>& q, const HeadsView<const S>& k,
+                  const HeadsView<const S>& v, const HeadsView<C>& out,
+                  const AttentionOptions<C>& options, C* logsumexp) {
+    if constexpr (std::is_same_v<S, C>)
+      scaled_dot_product_attention_into<C>(q, k, v, out, options, nullptr, logsumexp);
+    else
+      scaled_dot_product_attention_into(q, k, v, out, options, nullptr, logsumexp);
+  }
+
+  HeadsView<const S> view(const S* data, Index dim) const {
+    return {
+        data, batch_, kv_heads_, max_length(), dim, kv_heads_ * capacity_ * dim, capacity_ * dim,
+        dim};
+  }
+
+  Index row_offset(Index b, Index h, Index row, Index dim) const {
+    return ((b * kv_heads_ + h) * capacity_ + row) * dim;
+  }
+
+  std::string lengths_string() const {
+    std::string s = "[";
+    for (std::size_t b = 0; b < lengths_.size(); ++b)
+      s += (b ? ", " : "") + std::to_string(lengths_[b]);
+    return s + "]";
+  }
+
+  /// Rows [0, n) of head (b, h) of `x` into `dst` (n contiguous rows of `dim`), as S.
+  template <class U>
+  static void store(const HeadsView<const U>& x, Index b, Index h, Index n, S* dst, Index dim) {
+    if (n == 0)
+      return;
+    const HeadMatrix<const U> rows = x.head(b, h);
+    for (Index r = 0; r < n; ++r) {
+      const U* src = rows.row(r).data();
+      if constexpr (std::is_same_v<U, S>) {
+        std::copy(src, src + dim, dst + r * dim);
+      } else {
+        for (Index d = 0; d < dim; ++d)
+          dst[r * dim + d] = static_cast<S>(src[d]);
+      }
+    }
+  }
+
+  /// Moves the held tokens into buffers of `capacity` rows per (b, kv head).
+  void allocate(Index capacity) {
+    std::vector<S> keys(static_cast<std::size_t>(batch_ * kv_heads_ * capacity * dim_));
+    std::vector<S> values(static_cast<std::size_t>(batch_ * kv_heads_ * capacity * value_dim_));
+    for (Index b = 0; b < batch_; ++b) {
+      const Index length = lengths_[static_cast<std::size_t>(b)];
+      for (Index h = 0; h < kv_heads_; ++h) {
+        const auto move_rows = [&](const std::vector<S>& from, std::vector<S>& to, Index dim) {
+          const S* first = from.data() + ((b * kv_heads_ + h) * capacity_) * dim;
+          std::copy(first, first + length * dim,
+                    to.data() + ((b * kv_heads_ + h) * capacity) * dim);
+        };
+        move_rows(keys_, keys, dim_);
+        move_rows(values_, values, value_dim_);
+      }
+    }
+    keys_ = std::move(keys);
+    values_ = std::move(values);
+    capacity_ = capacity;
+  }
+
+  Index batch_ = 0, kv_heads_ = 0, dim_ = 0, value_dim_ = 0, capacity_ = 0;
+  bool allow_growth_ = true;
+  std::vector<Index> lengths_;    // (B)
+  std::vector<S> keys_, values_;  // (B, Hkv, capacity, D), (B, Hkv, capacity, Dv)
+};
+
+}  // namespace attn

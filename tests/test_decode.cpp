@@ -1,0 +1,734 @@
+// Tests for attn/kernels/decode.hpp, attn/kv_cache.hpp and
+// MultiHeadAttention::forward_incremental: the decode kernel against a double-precision
+// reference for Lq 1..8, Lk {1, 7, 300, 5000}, GQA groups 1..8 and every mask kind, in float,
+// double and with half / bfloat16 K and V; a long context where a half accumulator fails;
+// thread-count independence; the cache's growth, overflow and every error message; and
+// token-by-token decoding through MultiHeadAttention against its full causal forward.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <attn/attention.hpp>
+#include <attn/kv_cache.hpp>
+#include <attn/multihead.hpp>
+
+using attn::Index;
+using Catch::Matchers::Contains;
+
+namespace {
+
+/// Owning contiguous (B, H, L, D) storage with its view.
+template <class T>
+struct Heads {
+  std::vector<T> data;
+  Index b, h, l, d;
+  Heads(Index batch, Index heads, Index length, Index dim)
+      : data(static_cast<std::size_t>(batch * heads * length * dim)),
+        b(batch),
+        h(heads),
+        l(length),
+        d(dim) {}
+  attn::HeadsView<T> view() { return attn::bhld_view(data.data(), b, h, l, d); }
+  attn::HeadsView<const T> cview() const {
+    return attn::bhld_view(static_cast<const T*>(data.data()), b, h, l, d);
+  }
+  template <class U>
+  Heads<U> cast() const {
+    Heads<U> r(b, h, l, d);
+    for (std::size_t n = 0; n < data.size(); ++n)
+      r.data[n] = static_cast<U>(static_cast<float>(data[n]));
+    return r;
+  }
+};
+
+struct Problem {
+  Index batch, q_heads, kv_heads, q_length, k_length, dim, value_dim;
+  int mask_kind;
+};
+
+constexpr int mask_kinds = 10;
+const char* const mask_names[mask_kinds] = {
+    "none",
+    "causal top-left",
+    "causal bottom-right",
+    "window (3, 2)",
+    "window (-1, 0) + key lengths (one 0)",
+    "keep-mask (B, Hq, Lq, Lk)",
+    "bias (1, Hq, Lq, Lk) with -inf",
+    "causal bottom-right + ALiBi",
+    "softcap 3 + key lengths",
+    "causal bottom-right + window (6, -1) + keep-mask (B, 1, 1, Lk) + bias + ALiBi + softcap",
+};
+
+std::string describe(const Problem& p) {
+  return "B " + std::to_string(p.batch) + ", Hq " + std::to_string(p.q_heads) + ", Hkv " +
+         std::to_string(p.kv_heads) + ", Lq " + std::to_string(p.q_length) + ", Lk " +
+         std::to_string(p.k_length) + ", D " + std::to_string(p.dim) + ", Dv " +
+         std::to_string(p.value_dim) + ", mask: " + mask_names[p.mask_kind];
+}
+
+/// The masks of one problem, in double (converted to T by options<T>()).
+struct MaskData {
+  attn::Tensor<bool, 4> keep;
+  attn::Tensor<double, 4> bias;
+  std::vector<Index> key_lengths;
+};
+
+MaskData make_masks(const Problem& p, std::mt19937& rng) {
+  MaskData m;
+  std::bernoulli_distribution keep(0.7), hide(0.1);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  if (p.mask_kind == 5) {
+    m.keep.resize(p.batch, p.q_heads, p.q_length, p.k_length);
+  } else if (p.mask_kind == 9) {
+    m.keep.resize(p.batch, 1, 1, p.k_length);
+  }
+  for (Index n = 0; n < m.keep.size(); ++n)
+    m.keep.data()[n] = keep(rng);
+  if (p.mask_kind == 6 || p.mask_kind == 9) {
+    m.bias.resize(1, p.q_heads, p.q_length, p.k_length);
+    for (Index n = 0; n < m.bias.size(); ++n) {
+      m.bias.data()[n] =
+          p.mask_kind == 6 && hide(rng) ? -std::numeric_limits<double>::infinity() : normal(rng);
+    }
+  }
+  for (Index b = 0; b < p.batch; ++b)
+    m.key_lengths.push_back(b == 0 ? p.k_length : (b == 1 ? 0 : p.k_length / 2));
+  return m;
+}
+
+/// AttentionOptions<T> for the problem's mask kind; `bias` holds the T copy of the bias.
+template <class T>
+attn::AttentionOptions<T> options_for(const Problem& p, const MaskData& m,
+                                      attn::Tensor<T, 4>& bias) {
+  attn::AttentionOptions<T> o;
+  if (m.keep.size() > 0)
+    o.keep_mask = m.keep;
+  if (m.bias.size() > 0) {
+    bias = m.bias.template cast<T>();
+    o.bias = bias;
+  }
+  switch (p.mask_kind) {
+    case 1:
+      o.causal = attn::Causal::top_left;
+      break;
+    case 2:
+      o.causal = attn::Causal::bottom_right;
+      break;
+    case 3:
+      o.window = {3, 2};
+      break;
+    case 4:
+      o.window = {-1, 0};
+      o.key_lengths = m.key_lengths;
+      break;
+    case 7:
+      o.causal = attn::Causal::bottom_right;
+      o.alibi_slopes = attn::alibi_slopes<T>(p.q_heads);
+      break;
+    case 8:
+      o.softcap = T(3);
+      o.key_lengths = m.key_lengths;
+      break;
+    case 9:
+      o.causal = attn::Causal::bottom_right;
+      o.window = {6, -1};
+      o.alibi_slopes = attn::alibi_slopes<T>(p.q_heads);
+      o.softcap = T(3);
+      break;
+    default:
+      break;
+  }
+  return o;
+}
+
+/// Attention in double with rounding hooks: `round` is applied to the raw scores, to the
+/// probabilities and to the output, which emulates a kernel that keeps those in a narrow
+/// type (identity = the exact reference). Also returns the log-sum-exp.
+template <class Round>
+std::vector<double> reference(const Problem& p, const Heads<double>& q, const Heads<double>& k,
+                              const Heads<double>& v, const MaskData& m, Round round,
+                              std::vector<double>* lse = nullptr) {
+  attn::Tensor<double, 4> bias;
+  const attn::AttentionOptions<double> o = options_for<double>(p, m, bias);
+  const attn::Mask<double> mask("reference", p.batch, p.q_heads, p.q_length, p.k_length, o.causal,
+                                o.window, o.key_lengths, o.keep_mask, o.bias, o.alibi_slopes,
+                                o.softcap);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(p.dim));
+  const Index group = p.q_heads / p.kv_heads;
+  Heads<double> out(p.batch, p.q_heads, p.q_length, p.value_dim);
+  if (lse != nullptr)
+    lse->assign(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length), 0.0);
+  for (Index b = 0; b < p.batch; ++b) {
+    for (Index h = 0; h < p.q_heads; ++h) {
+      attn::Matrix<double> s =
+          scale * (q.cview().head(b, h) * k.cview().head(b, h / group).transpose());
+      s = s.unaryExpr(round);
+      mask.apply(b, h, 0, 0, s);
+      for (Index i = 0; i < p.q_length; ++i) {
+        const double l = attn::detail::softmax_in_place(s.row(i).data(), p.k_length);
+        if (lse != nullptr)
+          (*lse)[static_cast<std::size_t>((b * p.q_heads + h) * p.q_length + i)] = l;
+      }
+      s = s.unaryExpr(round);
+      attn::Matrix<double> o_head = s * v.cview().head(b, h / group);
+      out.view().head(b, h) = o_head.unaryExpr(round);
+    }
+  }
+  return out.data;
+}
+
+double identity(double x) {
+  return x;
+}
+
+/// Largest |a - e|; a mismatch in non-finite values counts as infinity.
+template <class T>
+double max_abs_error(const std::vector<T>& actual, const std::vector<double>& expected) {
+  double worst = 0;
+  for (std::size_t n = 0; n < expected.size(); ++n) {
+    const auto a = static_cast<double>(actual[n]);
+    const double e = expected[n];
+    if (!std::isfinite(e) || !std::isfinite(a)) {
+      if (!(a == e || (std::isnan(a) && std::isnan(e))))
+        worst = std::numeric_limits<double>::infinity();
+      continue;
+    }
+    worst = std::max(worst, std::abs(a - e));
+  }
+  return worst;
+}
+
+template <class T>
+Heads<T> random_heads(Index b, Index h, Index l, Index d, std::mt19937& rng) {
+  std::normal_distribution<double> normal(0.0, 1.0);
+  Heads<T> x(b, h, l, d);
+  for (T& e : x.data)
+    e = static_cast<T>(normal(rng));
+  return x;
+}
+
+/// The decode kernel itself (any storage type S), with the problem's masks.
+template <class S>
+std::vector<float> run_decode(const Problem& p, const Heads<float>& q, const Heads<S>& k,
+                              const Heads<S>& v, const MaskData& m, Index split_keys,
+                              Index key_block, std::vector<float>* lse = nullptr) {
+  attn::Tensor<float, 4> bias;
+  const attn::AttentionOptions<float> o = options_for<float>(p, m, bias);
+  const attn::Mask<float> mask("decode", p.batch, p.q_heads, p.q_length, p.k_length, o.causal,
+                               o.window, o.key_lengths, o.keep_mask, o.bias, o.alibi_slopes,
+                               o.softcap);
+  Heads<float> out(p.batch, p.q_heads, p.q_length, p.value_dim);
+  std::vector<float> l(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
+  attn::detail::decode_attention<float, S>(q.cview(), k.cview(), v.cview(), out.view(), mask,
+                                           1.0f / std::sqrt(static_cast<float>(p.dim)), l.data(),
+                                           split_keys, key_block);
+  if (lse != nullptr)
+    *lse = l;
+  return out.data;
+}
+
+template <class T>
+constexpr double error_floor() {
+  return 32 * static_cast<double>(std::numeric_limits<T>::epsilon());
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("decode matches a double reference and is within 2x naive's error", "[decode]",
+                   float, double) {
+  using T = TestType;
+  std::mt19937 rng(7);
+  for (const Index k_length : {1, 7, 300, 5000}) {
+    for (const Index q_length : {1, 3, 8}) {
+      for (const Index group : {1, 2, 4, 8}) {
+        for (int kind = 0; kind < mask_kinds; ++kind) {
+          // Big problems only for a few mask kinds: the reference is O(Lq * Lk) per head.
+          if (k_length == 5000 && (group == 2 || kind % 3 != 0 || q_length == 3))
+            continue;
+          const Problem p{2, 2 * group, 2, q_length, k_length, 19, 13, kind};
+          INFO(describe(p));
+          const MaskData m = make_masks(p, rng);
+          const auto q = random_heads<double>(p.batch, p.q_heads, p.q_length, p.dim, rng);
+          const auto k = random_heads<double>(p.batch, p.kv_heads, p.k_length, p.dim, rng);
+          const auto v = random_heads<double>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng);
+          const Heads<T> qt = q.template cast<T>(), kt = k.template cast<T>(),
+                         vt = v.template cast<T>();
+          std::vector<double> expected_lse;
+          const std::vector<double> expected =
+              reference(p, q.cast<T>().template cast<double>(), k.cast<T>().template cast<double>(),
+                        v.cast<T>().template cast<double>(), m, identity, &expected_lse);
+          attn::Tensor<T, 4> bias;
+          attn::AttentionOptions<T> o = options_for<T>(p, m, bias);
+          const auto run = [&](attn::Algorithm algorithm, std::vector<T>* lse) {
+            o.algorithm = algorithm;
+            Heads<T> out(p.batch, p.q_heads, p.q_length, p.value_dim);
+            lse->resize(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
+            attn::scaled_dot_product_attention_into<T>(qt.cview(), kt.cview(), vt.cview(),
+                                                       out.view(), o, nullptr, lse->data());
+            return out.data;
+          };
+          std::vector<T> naive_lse, decode_lse;
+          const double naive_error =
+              max_abs_error(run(attn::Algorithm::naive, &naive_lse), expected);
+          const double decode_error =
+              max_abs_error(run(attn::Algorithm::decode, &decode_lse), expected);
+          CAPTURE(naive_error, decode_error);
+          REQUIRE(decode_error <= 2 * naive_error + error_floor<T>());
+          REQUIRE(max_abs_error(decode_lse, expected_lse) <=
+                  2 * max_abs_error(naive_lse, expected_lse) + 8 * error_floor<T>());
+          if constexpr (std::is_same_v<T, float>) {
+            // Many splits and ragged blocks on a small problem: the merge path.
+            const double small_splits_error =
+                max_abs_error(run_decode<float>(p, qt, kt, vt, m, 7, 3), expected);
+            CAPTURE(small_splits_error);
+            REQUIRE(small_splits_error <= 2 * naive_error + error_floor<T>());
+          }
+        }
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("decode with half and bfloat16 K and V accumulates in float", "[decode]",
+                   Eigen::half, Eigen::bfloat16) {
+  using S = TestType;
+  const auto round_to_s = [](double x) {
+    return static_cast<double>(static_cast<float>(S(static_cast<float>(x))));
+  };
+  std::mt19937 rng(11);
+  for (const Index k_length : {1, 7, 300, 5000}) {
+    for (const Index q_length : {1, 2, 8}) {
+      for (const Index group : {1, 4, 8}) {
+        for (int kind = 0; kind < mask_kinds; ++kind) {
+          if ((k_length == 5000 && (kind % 3 != 0 || q_length > 1)) || (q_length == 2 && kind % 2))
+            continue;
+          const Problem p{2, 2 * group, 2, q_length, k_length, 40, 24, kind};
+          INFO(describe(p));
+          const MaskData m = make_masks(p, rng);
+          const auto q = random_heads<float>(p.batch, p.q_heads, p.q_length, p.dim, rng);
+          const auto k = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.dim, rng);
+          const auto v = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng);
+          const Heads<S> ks = k.template cast<S>(), vs = v.template cast<S>();
+          // Exact reference on the values the kernel sees (q in float, K and V rounded to S),
+          // and the naive kernel a half-precision library would run: scores, probabilities
+          // and output rounded to S, sums in float.
+          const Heads<double> qd = q.template cast<double>(), kd = ks.template cast<double>(),
+                              vd = vs.template cast<double>();
+          std::vector<double> expected_lse;
+          const std::vector<double> expected = reference(p, qd, kd, vd, m, identity, &expected_lse);
+          const double naive_s_error =
+              max_abs_error(reference(p, qd, kd, vd, m, round_to_s), expected);
+          for (const Index split : {Index(7), attn::decode_split_keys}) {
+            std::vector<float> lse;
+            const double error = max_abs_error(
+                run_decode<S>(p, q, ks, vs, m, split, split == 7 ? 3 : 64, &lse), expected);
+            CAPTURE(split, naive_s_error, error);
+            REQUIRE(error <= 2 * naive_s_error + error_floor<float>());
+            REQUIRE(max_abs_error(lse, expected_lse) <= 1e-4);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("decode over 16384 half keys stays accurate where a half accumulator fails", "[decode]") {
+  // Small scores: every key gets a weight near 1, so the softmax sum approaches Lk. A half
+  // accumulator stops growing at 2048 (adding 1 to 2048 rounds back to 2048 in half), so
+  // its outputs come out ~8x too large; ours sums in float.
+  const Problem p{1, 4, 1, 1, 16384, 64, 64, 0};
+  std::mt19937 rng(3);
+  auto q = random_heads<float>(1, 4, 1, 64, rng);
+  for (float& x : q.data)
+    x *= 0.01f;
+  const auto k = random_heads<float>(1, 1, p.k_length, 64, rng);
+  const auto v = random_heads<float>(1, 1, p.k_length, 64, rng);
+  const Heads<Eigen::half> ks = k.cast<Eigen::half>(), vs = v.cast<Eigen::half>();
+  const MaskData m;
+  const std::vector<double> expected =
+      reference(p, q.cast<double>(), ks.cast<double>(), vs.cast<double>(), m, identity);
+  const double error = max_abs_error(run_decode<Eigen::half>(p, q, ks, vs, m, 512, 64), expected);
+
+  // The same online softmax with half running sum and half accumulator.
+  std::vector<float> half_out(expected.size());
+  for (Index h = 0; h < p.q_heads; ++h) {
+    std::vector<double> s(static_cast<std::size_t>(p.k_length));
+    double max = -std::numeric_limits<double>::infinity();
+    for (Index j = 0; j < p.k_length; ++j) {
+      double dot = 0;
+      for (Index d = 0; d < p.dim; ++d)
+        dot +=
+            q.data[static_cast<std::size_t>(h * 64 + d)] *
+            static_cast<double>(static_cast<float>(ks.data[static_cast<std::size_t>(j * 64 + d)]));
+      s[static_cast<std::size_t>(j)] = dot / 8;
+      max = std::max(max, s[static_cast<std::size_t>(j)]);
+    }
+    Eigen::half l(0.0f);
+    std::vector<Eigen::half> acc(64, Eigen::half(0.0f));
+    for (Index j = 0; j < p.k_length; ++j) {
+      const Eigen::half w(static_cast<float>(std::exp(s[static_cast<std::size_t>(j)] - max)));
+      l = Eigen::half(static_cast<float>(l) + static_cast<float>(w));
+      for (Index d = 0; d < 64; ++d) {
+        const auto n = static_cast<std::size_t>(d);
+        acc[n] = Eigen::half(static_cast<float>(acc[n]) +
+                             static_cast<float>(w) *
+                                 static_cast<float>(vs.data[static_cast<std::size_t>(j * 64 + d)]));
+      }
+    }
+    for (Index d = 0; d < 64; ++d)
+      half_out[static_cast<std::size_t>(h * 64 + d)] =
+          static_cast<float>(acc[static_cast<std::size_t>(d)]) / static_cast<float>(l);
+  }
+  const double half_error = max_abs_error(half_out, expected);
+  double magnitude = 0;
+  for (const double x : expected)
+    magnitude = std::max(magnitude, std::abs(x));
+  CAPTURE(error, half_error, magnitude);
+  REQUIRE(error <= 1e-6);            // K and V already rounded: only float rounding is left
+  REQUIRE(half_error >= magnitude);  // the half accumulator is wrong by more than the output
+}
+
+#if ATTN_HAS_OPENMP
+TEST_CASE("decode results are bitwise identical for 1 and 2 threads", "[decode]") {
+  const int saved = omp_get_max_threads();
+  std::mt19937 rng(5);
+  for (int kind : {0, 2, 9}) {
+    const Problem p{2, 8, 2, 2, 5000, 64, 64, kind};
+    INFO(describe(p));
+    const MaskData m = make_masks(p, rng);
+    const auto q = random_heads<float>(p.batch, p.q_heads, p.q_length, p.dim, rng);
+    const auto k = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.dim, rng);
+    const auto v = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng);
+    const Heads<Eigen::half> kh = k.cast<Eigen::half>(), vh = v.cast<Eigen::half>();
+    std::vector<float> results[2], half_results[2], lse[2];
+    for (int threads : {1, 2}) {
+      omp_set_num_threads(threads);
+      results[threads - 1] = run_decode<float>(p, q, k, v, m, attn::decode_split_keys,
+                                               attn::decode_key_block, &lse[threads - 1]);
+      half_results[threads - 1] =
+          run_decode<Eigen::half>(p, q, kh, vh, m, attn::decode_split_keys, attn::decode_key_block);
+    }
+    omp_set_num_threads(saved);
+    REQUIRE(std::memcmp(results[0].data(), results[1].data(), results[0].size() * 4) == 0);
+    REQUIRE(std::memcmp(lse[0].data(), lse[1].data(), lse[0].size() * 4) == 0);
+    REQUIRE(std::memcmp(half_results[0].data(), half_results[1].data(),
+                        half_results[0].size() * 4) == 0);
+  }
+}
+#endif
+
+TEST_CASE("decode: fully masked rows give zeros and -inf, NaN propagates", "[decode]") {
+  std::mt19937 rng(9);
+  const Problem p{2, 4, 2, 1, 700, 16, 16, 4};  // key_lengths[1] = 0: batch 1 sees nothing
+  const MaskData m = make_masks(p, rng);
+  auto q = random_heads<float>(p.batch, p.q_heads, p.q_length, p.dim, rng);
+  auto k = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.dim, rng);
+  const auto v = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng);
+  std::vector<float> lse;
+  std::vector<float> out = run_decode<float>(p, q, k, v, m, 512, 64, &lse);
+  for (Index n = 4 * 16; n < 8 * 16; ++n)
+    REQUIRE(out[static_cast<std::size_t>(n)] == 0.0f);
+  for (Index n = 4; n < 8; ++n)
+    REQUIRE(lse[static_cast<std::size_t>(n)] == -std::numeric_limits<float>::infinity());
+  // A NaN key in the second split of (b 0, kv head 0) reaches its two query heads only.
+  k.data[static_cast<std::size_t>(600 * 16 + 3)] = std::numeric_limits<float>::quiet_NaN();
+  out = run_decode<float>(p, q, k, v, m, 512, 64, &lse);
+  for (Index n = 0; n < 4 * 16; ++n)
+    REQUIRE(std::isnan(out[static_cast<std::size_t>(n)]) == (n < 2 * 16));
+}
+
+TEST_CASE("decode handles no keys and no queries", "[decode]") {
+  attn::AttentionOptions<float> options;
+  options.algorithm = attn::Algorithm::decode;
+  attn::Tensor<float, 4> q(1, 4, 2, 8), k0(1, 2, 0, 8), v0(1, 2, 0, 3);
+  q.setConstant(1);
+  attn::Tensor<float, 3> lse;
+  const attn::Tensor<float, 4> out =
+      attn::scaled_dot_product_attention(q, k0, v0, options, nullptr, &lse);
+  for (Index n = 0; n < out.size(); ++n)
+    REQUIRE(out.data()[n] == 0.0f);
+  for (Index n = 0; n < lse.size(); ++n)
+    REQUIRE(lse.data()[n] == -std::numeric_limits<float>::infinity());
+  attn::Tensor<float, 4> q0(1, 4, 0, 8), k(1, 2, 5, 8), v(1, 2, 5, 3);
+  REQUIRE(attn::scaled_dot_product_attention(q0, k, v, options).size() == 0);
+}
+
+TEST_CASE("automatic picks decode for few queries", "[decode]") {
+  REQUIRE(attn::detail::resolve_algorithm("f", attn::Algorithm::automatic, false, 1, 8192) ==
+          attn::Algorithm::decode);
+  REQUIRE(attn::detail::resolve_algorithm("f", attn::Algorithm::automatic, false,
+                                          attn::decode_max_queries + 1,
+                                          8192) == attn::Algorithm::flash);
+  REQUIRE_THROWS_WITH(attn::detail::resolve_algorithm("f", attn::Algorithm::decode, true, 1, 8192),
+                      Contains("weights were requested with Algorithm::decode"));
+}
+
+// --- KVCache -----------------------------------------------------------------------------
+
+TEST_CASE("KVCache grows geometrically and keeps its tokens", "[kv_cache]") {
+  attn::KVCache<float> cache(2, 3, 4, 5, 1);
+  std::vector<Index> capacities;
+  std::mt19937 rng(1);
+  Heads<float> all_k(2, 3, 100, 4), all_v(2, 3, 100, 5);
+  for (Index t = 0; t < 100; ++t) {
+    auto k = random_heads<float>(2, 3, 1, 4, rng);
+    auto v = random_heads<float>(2, 3, 1, 5, rng);
+    for (Index b = 0; b < 2; ++b)
+      for (Index h = 0; h < 3; ++h) {
+        all_k.view().head(b, h).row(t) = k.cview().head(b, h).row(0);
+        all_v.view().head(b, h).row(t) = v.cview().head(b, h).row(0);
+      }
+    cache.append(k.cview(), v.cview());
+    if (capacities.empty() || capacities.back() != cache.capacity())
+      capacities.push_back(cache.capacity());
+  }
+  REQUIRE(cache.lengths() == std::vector<Index>{100, 100});
+  REQUIRE(capacities == std::vector<Index>{1, 2, 4, 8, 16, 32, 64, 128});
+  const auto kv = cache.keys_view();
+  const auto vv = cache.values_view();
+  REQUIRE(kv.shape() == std::array<Index, 4>{2, 3, 100, 4});
+  for (Index b = 0; b < 2; ++b)
+    for (Index h = 0; h < 3; ++h) {
+      REQUIRE(kv.head(b, h) == all_k.cview().head(b, h));
+      REQUIRE(vv.head(b, h) == all_v.cview().head(b, h));
+    }
+  cache.clear();
+  REQUIRE(cache.max_length() == 0);
+  REQUIRE(cache.capacity() == 128);
+}
+
+TEST_CASE("KVCache overflow without growth throws and leaves the cache unchanged", "[kv_cache]") {
+  attn::KVCache<Eigen::half> cache(2, 1, 4, 4, 4, /*allow_growth=*/false);
+  Heads<float> k(2, 1, 3, 4), v(2, 1, 3, 4);
+  cache.append(k.cview(), v.cview());
+  Heads<float> k2(2, 1, 2, 4), v2(2, 1, 2, 4);
+  REQUIRE_THROWS_WITH(cache.append(k2.cview(), v2.cview()),
+                      "KVCache::append: appending 2 tokens to lengths [3, 3] needs 5 rows but the "
+                      "capacity is 4 and allow_growth is off");
+  REQUIRE_THROWS_AS(cache.append(k2.cview(), v2.cview()), std::invalid_argument);
+  REQUIRE(cache.lengths() == std::vector<Index>{3, 3});
+  cache.append(k2.cview(), v2.cview(), std::vector<Index>{1, 0});  // ragged: fits
+  REQUIRE(cache.lengths() == std::vector<Index>{4, 3});
+  cache.reserve(16);  // explicit growth is allowed
+  REQUIRE(cache.capacity() == 16);
+}
+
+TEST_CASE("KVCache validates every argument", "[kv_cache]") {
+  REQUIRE_THROWS_WITH((attn::KVCache<float>(0, 1, 4, 4, 8)),
+                      "KVCache: (B, Hkv, D, Dv) is [0, 1, 4, 4] and capacity 8: sizes must be "
+                      "positive and the capacity >= 0");
+  REQUIRE_THROWS_WITH((attn::KVCache<float>(1, 1, 4, 4, -1)), Contains("capacity -1"));
+  attn::KVCache<float> cache(2, 2, 4, 3, 8);
+  const std::string tail = " and the cache is (B, Hkv, D, Dv) = [2, 2, 4, 3]";
+  const auto append = [&](Index kb, Index kh, Index kl, Index kd, Index vb, Index vh, Index vl,
+                          Index vd, std::vector<Index> counts = {}) {
+    Heads<float> k(kb, kh, kl, kd), v(vb, vh, vl, vd);
+    cache.append(k.cview(), v.cview(), counts);
+  };
+  REQUIRE_THROWS_WITH(append(1, 2, 1, 4, 1, 2, 1, 3),
+                      "KVCache::append: keys are [1, 2, 1, 4], values are [1, 2, 1, 3]" + tail +
+                          ": batch sizes differ");
+  REQUIRE_THROWS_WITH(append(2, 2, 1, 4, 2, 1, 1, 3), Contains(": head counts differ"));
+  REQUIRE_THROWS_WITH(append(2, 2, 1, 5, 2, 2, 1, 3), Contains(": head dims differ"));
+  REQUIRE_THROWS_WITH(append(2, 2, 1, 4, 2, 2, 1, 4), Contains(": head dims differ"));
+  REQUIRE_THROWS_WITH(append(2, 2, 2, 4, 2, 2, 1, 3),
+                      Contains("keys are [2, 2, 2, 4], values are [2, 2, 1, 3]" + tail +
+                               ": keys and values lengths differ"));
+  REQUIRE_THROWS_WITH(append(2, 2, 2, 4, 2, 2, 2, 3, {1}),
+                      "KVCache::append: counts has 1 entries but the batch size is 2");
+  REQUIRE_THROWS_WITH(append(2, 2, 2, 4, 2, 2, 2, 3, {1, 3}),
+                      "KVCache::append: counts[1] is 3: must lie in [0, Lnew] with Lnew = 2");
+  REQUIRE(cache.lengths() == std::vector<Index>{0, 0});
+
+  append(2, 2, 2, 4, 2, 2, 2, 3);
+  const auto attend = [&](Index qb, Index qh, Index ql, Index qd, Index ob, Index oh, Index ol,
+                          Index od, attn::AttentionOptions<float> o = {}) {
+    Heads<float> q(qb, qh, ql, qd), out(ob, oh, ol, od);
+    cache.attend_into(q.cview(), out.view(), o);
+  };
+  const std::string cache_tail = tail;
+  REQUIRE_THROWS_WITH(attend(1, 4, 1, 4, 1, 4, 1, 3),
+                      "KVCache::attend: q is [1, 4, 1, 4], out is [1, 4, 1, 3]" + cache_tail +
+                          ": batch sizes differ");
+  REQUIRE_THROWS_WITH(attend(2, 4, 1, 5, 2, 4, 1, 3),
+                      Contains(": q and the keys' head dims differ"));
+  REQUIRE_THROWS_WITH(attend(2, 3, 1, 4, 2, 3, 1, 3),
+                      Contains(": query heads must be a positive multiple of key/value heads"));
+  REQUIRE_THROWS_WITH(attend(2, 4, 1, 4, 2, 4, 1, 4), Contains(": out must be (B, Hq, Lq, Dv)"));
+  REQUIRE_THROWS_WITH(attend(2, 4, 3, 4, 2, 4, 3, 3),
+                      Contains(": 3 queries but sequence 0 holds only 2 tokens (append the new "
+                               "tokens first)"));
+  attn::AttentionOptions<float> causal;
+  causal.causal = attn::Causal::top_left;
+  REQUIRE_THROWS_WITH(attend(2, 4, 1, 4, 2, 4, 1, 3, causal),
+                      "KVCache::attend: options.causal and options.key_lengths must be unset: the "
+                      "cache applies the bottom-right causal mask and its own lengths");
+  attn::AttentionOptions<float> lengths;
+  lengths.key_lengths = {1, 1};
+  REQUIRE_THROWS_WITH(attend(2, 4, 1, 4, 2, 4, 1, 3, lengths), Contains("must be unset"));
+  attn::AttentionOptions<float> bad_softcap;
+  bad_softcap.softcap = -1.0f;
+  REQUIRE_THROWS_WITH(attend(2, 4, 1, 4, 2, 4, 1, 3, bad_softcap),
+                      Contains("softcap is -1.000000: must be finite and > 0"));
+
+  Heads<float> k(2, 2, 1, 4), v(2, 2, 1, 3);
+  cache.append(k.cview(), v.cview(), std::vector<Index>{1, 0});  // lengths [3, 2]
+  attn::Tensor<float, 4> bias(1, 1, 1, 3);
+  bias.setZero();
+  attn::AttentionOptions<float> with_bias;
+  with_bias.bias = bias;
+  REQUIRE_THROWS_WITH(attend(2, 4, 1, 4, 2, 4, 1, 3, with_bias),
+                      "KVCache::attend: the sequences hold different numbers of tokens [3, 2]: "
+                      "keep_mask and bias must then have extent 1 in B and Lk");
+}
+
+TEMPLATE_TEST_CASE("KVCache::attend equals attention on each sequence, ragged and not",
+                   "[kv_cache]", float, double, Eigen::half, Eigen::bfloat16) {
+  using S = TestType;
+  using C = typename attn::KVCache<S>::compute_type;
+  std::mt19937 rng(2);
+  attn::KVCache<S> cache(2, 2, 8, 6, 4);
+  const auto k0 = random_heads<C>(2, 2, 9, 8, rng), v0 = random_heads<C>(2, 2, 9, 6, rng);
+  cache.append(k0.cview(), v0.cview(), std::vector<Index>{9, 6});  // ragged prompt
+  const auto q = random_heads<C>(2, 4, 3, 8, rng);
+  const auto k1 = random_heads<C>(2, 2, 3, 8, rng), v1 = random_heads<C>(2, 2, 3, 6, rng);
+  cache.append(k1.cview(), v1.cview());  // lengths [12, 9]
+  REQUIRE(cache.lengths() == std::vector<Index>{12, 9});
+  attn::AttentionOptions<C> o;
+  o.alibi_slopes = attn::alibi_slopes<C>(4);
+  o.window = {7, -1};
+  attn::Tensor<C, 4> q_tensor(2, 4, 3, 8);
+  std::copy(q.data.begin(), q.data.end(), q_tensor.data());
+  const attn::Tensor<C, 4> out = cache.attend(q_tensor, o);
+  // Reference: each sequence alone, its cached rows (as S, then C) with bottom-right causal.
+  for (Index b = 0; b < 2; ++b) {
+    const Index length = cache.lengths()[static_cast<std::size_t>(b)];
+    Heads<C> kb(1, 2, length, 8), vb(1, 2, length, 6), qb(1, 4, 3, 8);
+    for (Index h = 0; h < 2; ++h) {
+      kb.view().head(0, h) = cache.keys_view().head(b, h).topRows(length).template cast<C>();
+      vb.view().head(0, h) = cache.values_view().head(b, h).topRows(length).template cast<C>();
+    }
+    for (Index h = 0; h < 4; ++h)
+      qb.view().head(0, h) = q.cview().head(b, h);
+    attn::AttentionOptions<C> ob = o;
+    ob.causal = attn::Causal::bottom_right;
+    ob.algorithm = attn::Algorithm::naive;
+    Heads<C> expected(1, 4, 3, 6);
+    attn::scaled_dot_product_attention_into<C>(qb.cview(), kb.cview(), vb.cview(), expected.view(),
+                                               ob);
+    for (Index n = 0; n < 4 * 3 * 6; ++n) {
+      const double e = static_cast<double>(expected.data[static_cast<std::size_t>(n)]);
+      const double a = static_cast<double>(out.data()[b * 4 * 3 * 6 + n]);
+      REQUIRE(std::abs(a - e) <= 1e-5 * std::max(std::abs(e), 1.0));
+    }
+  }
+  // The stored keys are the appended ones, rounded to S.
+  REQUIRE(static_cast<float>(cache.keys_view().head(1, 1)(7, 2)) ==
+          static_cast<float>(S(static_cast<float>(k1.cview().head(1, 1)(1, 2)))));
+}
+
+// --- MultiHeadAttention::forward_incremental -------------------------------------------
+
+TEMPLATE_TEST_CASE("decoding token by token through MultiHeadAttention equals the causal forward",
+                   "[kv_cache][multihead]", float, double) {
+  using T = TestType;
+  const double rtol = std::is_same_v<T, float> ? 1e-5 : 1e-12;
+  for (const Index kv_heads : {4, 2, 1}) {
+    for (const bool bias : {true, false}) {
+      attn::MultiHeadAttentionConfig config;
+      config.embed_dim = 32;
+      config.num_heads = 4;
+      config.num_kv_heads = kv_heads;
+      config.bias = bias;
+      config.seed = 42;
+      attn::MultiHeadAttention<T> mha(config);
+      if (bias) {  // non-zero biases, so that a wrong bias path shows
+        auto state = mha.state_dict();
+        std::mt19937 rng(4);
+        std::normal_distribution<double> normal(0.0, 0.5);
+        for (auto& x : state["in_proj_bias"].data)
+          x = static_cast<T>(normal(rng));
+        for (auto& x : state["out_proj.bias"].data)
+          x = static_cast<T>(normal(rng));
+        mha.load_state_dict(state);
+      }
+      const Index batch = 2, length = 11;
+      std::mt19937 rng(8);
+      std::normal_distribution<double> normal(0.0, 1.0);
+      attn::Tensor<T, 3> x(batch, length, 32);
+      for (Index n = 0; n < x.size(); ++n)
+        x.data()[n] = static_cast<T>(normal(rng));
+      attn::MultiHeadForwardOptions<T> causal;
+      causal.is_causal = true;
+      const attn::Tensor<T, 3> expected = mha.forward(x, causal).output;
+      for (const Index chunk : {1, 3}) {
+        INFO("Hkv " << kv_heads << ", bias " << bias << ", chunk " << chunk);
+        attn::KVCache<T> cache(batch, kv_heads, 8, 8, 2);
+        for (Index t0 = 0; t0 < length; t0 += chunk) {
+          const Index n = std::min(chunk, length - t0);
+          attn::Tensor<T, 3> part(batch, n, 32);
+          for (Index b = 0; b < batch; ++b)
+            for (Index t = 0; t < n; ++t)
+              for (Index e = 0; e < 32; ++e)
+                part(b, t, e) = x(b, t0 + t, e);
+          const attn::Tensor<T, 3> y = mha.forward_incremental(part, cache);
+          REQUIRE(y.dimension(1) == n);
+          for (Index b = 0; b < batch; ++b)
+            for (Index t = 0; t < n; ++t)
+              for (Index e = 0; e < 32; ++e) {
+                const double want = static_cast<double>(expected(b, t0 + t, e));
+                REQUIRE(std::abs(static_cast<double>(y(b, t, e)) - want) <=
+                        rtol * std::max(std::abs(want), 1.0));
+              }
+        }
+        REQUIRE(cache.lengths() == std::vector<Index>{length, length});
+      }
+    }
+  }
+}
+
+TEST_CASE("forward_incremental with a half cache and its errors", "[kv_cache][multihead]") {
+  attn::MultiHeadAttentionConfig config;
+  config.embed_dim = 32;
+  config.num_heads = 4;
+  config.num_kv_heads = 2;
+  attn::MultiHeadAttention<float> mha(config);
+  attn::Tensor<float, 3> x(1, 5, 32);
+  std::mt19937 rng(8);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (Index n = 0; n < x.size(); ++n)
+    x.data()[n] = normal(rng);
+  attn::MultiHeadForwardOptions<float> causal;
+  causal.is_causal = true;
+  const attn::Tensor<float, 3> expected = mha.forward(x, causal).output;
+  attn::KVCache<Eigen::bfloat16> cache(1, 2, 8, 8, 8);
+  const attn::Tensor<float, 3> y = mha.forward_incremental(x, cache);
+  for (Index n = 0; n < y.size(); ++n)  // bfloat16 K and V: 8 significant bits
+    REQUIRE(std::abs(y.data()[n] - expected.data()[n]) <= 2e-2f);
+
+  attn::KVCache<float> wrong(1, 4, 8, 8, 8);
+  REQUIRE_THROWS_WITH(mha.forward_incremental(x, wrong),
+                      "MultiHeadAttention::forward_incremental: x_new is [1, 5, 32] but the cache "
+                      "is (B, Hkv, D, Dv) = [1, 4, 8, 8]: it must be [1, 2, 8, 8]");
+  attn::Tensor<float, 3> narrow(1, 5, 16);
+  attn::KVCache<float> cache2(1, 2, 8, 8, 8);
+  REQUIRE_THROWS_WITH(mha.forward_incremental(narrow, cache2),
+                      "MultiHeadAttention::forward_incremental: x_new is [1, 5, 16] but embed_dim "
+                      "is 32: widths differ");
+  attn::AttentionOptions<float> top_left;
+  top_left.causal = attn::Causal::top_left;
+  REQUIRE_THROWS_WITH(mha.forward_incremental(x, cache2, top_left), Contains("must be unset"));
+  REQUIRE(cache2.max_length() == 0);
+  config.add_zero_attn = true;
+  attn::MultiHeadAttention<float> zero_attn(config);
+  REQUIRE_THROWS_WITH(zero_attn.forward_incremental(x, cache2),
+                      Contains("needs kdim = vdim = embed_dim and neither add_bias_kv nor "
+                               "add_zero_attn"));
+}
