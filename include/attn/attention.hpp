@@ -171,6 +171,7 @@ void scaled_dot_product_attention_into(const HeadsView<const T>& q,  // (B, Hq, 
                       " but must be " + detail::shape_string({q.batch, q.heads, q.length, v.dim}) +
                       " (B, Hq, Lq, Dv)");
   }
+  detail::check_output_aliasing<T>(function, q, k, v, out);
   const T scale = detail::resolve_scale(function, options.scale, q.dim);
   const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options.causal, options.window,
                      options.key_lengths, options.keep_mask, options.bias, options.alibi_slopes,
