@@ -12,12 +12,13 @@
 // Oracle (README, "Error contract"):
 //   - invalid argument: every kernel (and linear_attention, for the checks it shares) throws
 //     std::invalid_argument with the same message; otherwise nothing throws;
-//   - rows reached by NaN (a NaN or +inf score of a visible key, or a NaN value row of a
-//     visible key in a row that has a finite score) are NaN in every kernel and in the
-//     reference; rows whose query, keys, values and bias hold no NaN are compared; rows where
-//     NaN sits only in the value rows of hidden or zero-weight keys are not compared (the
-//     naive kernel multiplies every value row by its weight, 0 x NaN = NaN; flash skips them);
-//   - error bound, per compared row, against naive in a wider type R (double for float, long
+//   - NaN reaches, in every kernel and in the reference: the whole row when a visible key's
+//     score is NaN or +inf (NaN in the query, the key or its bias); column e of a row that has
+//     a finite score when a visible key's v[j, e] is NaN. The other elements are compared
+//     when column e of the head's v holds no NaN; NaN only in the value rows of hidden keys
+//     (or of a fully masked row) is unspecified and not compared (naive and chunked multiply
+//     every value row by its weight, 0 x NaN = NaN; flash skips hidden tiles);
+//   - error bound, per compared element, against naive in a wider type R (double for float, long
 //     double for double):  |kernel - ref| <= 2 |naive_T - ref| + floor + cond, with
 //       floor = (32 + 2 Lk) eps max(1, max|v|)       (tests/test_kernels.cpp's 2x-naive rule,
 //                                                      its floor widened for long rows)
