@@ -7,6 +7,7 @@
 #   ./scripts/tidy.sh           # preset dev (configured first if needed)
 #   ./scripts/tidy.sh ci        # the tree that `scripts/test.sh ci` built
 #   ./scripts/tidy.sh ci --strict   # exit non-zero on any warning
+#   ATTN_TIDY_FILES="tests/test_init.cpp" ./scripts/tidy.sh ci   # only these files
 #
 # Without --strict it fails only when clang-tidy itself errors (e.g. cannot
 # parse a file); warnings are reported, as .clang-tidy sets WarningsAsErrors ''.
@@ -35,6 +36,18 @@ fi
 # The project's own sources (not the generated header checks in the build tree).
 mapfile -t files < <(grep -oE '"file": "[^"]+"' "$build_dir/compile_commands.json" |
   cut -d'"' -f4 | grep -E "^$repo_root/(tests|examples|bench)/" | sort -u)
+# ATTN_TIDY_FILES: only these files (repo-relative, space-separated), e.g. in CI.
+if [[ -n "${ATTN_TIDY_FILES:-}" ]]; then
+  selected=()
+  for file in "${files[@]}"; do
+    for wanted in $ATTN_TIDY_FILES; do
+      if [[ "$file" == "$repo_root/$wanted" ]]; then
+        selected+=("$file")
+      fi
+    done
+  done
+  files=("${selected[@]}")
+fi
 if ((${#files[@]} == 0)); then
   echo "tidy: no sources in $build_dir/compile_commands.json" >&2
   exit 1

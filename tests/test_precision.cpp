@@ -456,3 +456,23 @@ TEMPLATE_TEST_CASE("MultiHeadAttention with 16-bit weights and activations", "[p
     CHECK(static_cast<float>(weights[count - 1]) == 0.0f);  // batch 1's last key is padding
   }
 }
+
+TEST_CASE("mixed storage: an output overlapping an input of another scalar is refused",
+          "[precision]") {
+  // float q and a half out over the same bytes: no kernel can compute that in place.
+  std::vector<float> q(2 * 8, 0.5f);
+  const std::vector<Eigen::half> k(3 * 8, Eigen::half(0.25f)), v(3 * 8, Eigen::half(1.0f));
+  const auto q_view = attn::bhld_view(static_cast<const float*>(q.data()), 1, 1, 2, 8);
+  const auto k_view = attn::bhld_view(k.data(), 1, 1, 3, 8);
+  const auto v_view = attn::bhld_view(v.data(), 1, 1, 3, 8);
+  const auto out_over_q = attn::bhld_view(reinterpret_cast<Eigen::half*>(q.data()), 1, 1, 2, 8);
+  CHECK_THROWS_WITH(attn::scaled_dot_product_attention_into(q_view, k_view, v_view, out_over_q),
+                    Catch::Matchers::Contains("scaled_dot_product_attention") &&
+                        Catch::Matchers::Contains("out overlaps q"));
+  // A separate output is fine: every query sees equal scores, so the output is v's 1.0.
+  std::vector<Eigen::half> out(2 * 8);
+  attn::scaled_dot_product_attention_into(q_view, k_view, v_view,
+                                          attn::bhld_view(out.data(), 1, 1, 2, 8));
+  for (const Eigen::half value : out)
+    CHECK(static_cast<float>(value) == 1.0f);
+}

@@ -186,6 +186,7 @@ void attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
                                " but must be " + shape_string({q.batch, q.heads, q.length, v.dim}) +
                                " (B, Hq, Lq, Dv)");
   }
+  check_output_aliasing(function, q, k, v, out);
   const T scale = resolve_scale(function, options.scale, q.dim);
   const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options.causal, options.window,
                      options.key_lengths, options.keep_mask, options.bias, options.alibi_slopes,

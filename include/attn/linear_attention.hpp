@@ -525,6 +525,7 @@ void linear_attention_into(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
                       " (B, Hq, Lq, Dv)");
   }
   detail::check_linear_options(function, options, q, k);
+  detail::check_output_aliasing(function, q, k, v, out);
 
   const FeatureMap<T>& map = options.feature_map;
   const Index features = map.features(q.dim);

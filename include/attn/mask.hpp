@@ -248,15 +248,17 @@ class Mask {
         for (Index c = lo; c < hi; ++c)
           scores(r, c) -= slope * static_cast<T>(std::abs(diagonal - (j0 + c)));
       }
+      if (has_bias()) {
+        for (Index c = lo; c < hi; ++c)
+          scores(r, c) += bias(b, h, i, j0 + c);
+      }
+      // After the bias: a key the keep-mask hides is excluded whatever its bias or score
+      // (before, -inf + a bias of +inf or NaN made the row NaN).
       if (has_keep_mask()) {
         for (Index c = lo; c < hi; ++c) {
           if (!keep(b, h, i, j0 + c))
             scores(r, c) = minus_inf;
         }
-      }
-      if (has_bias()) {
-        for (Index c = lo; c < hi; ++c)
-          scores(r, c) += bias(b, h, i, j0 + c);
       }
     }
   }

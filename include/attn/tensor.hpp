@@ -12,7 +12,10 @@
 // fused QKV projection without a transpose or a copy.
 #pragma once
 
+#include <algorithm>
 #include <array>
+#include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include <Eigen/Core>
@@ -147,6 +150,88 @@ inline constexpr bool is_rank4_tensor_v = rank4_tensor<X>::value;
 
 template <class X>
 using rank4_scalar_t = typename rank4_tensor<X>::scalar;
+
+/// False when views a and b cannot share an element: their address ranges are disjoint, or
+/// both are disjoint column blocks of the same rows of a row-major buffer (e.g. the q, k and
+/// v blocks of a fused QKV buffer). True otherwise (conservative: they may overlap).
+template <class S>
+bool views_may_overlap(const HeadsView<const S>& a, const HeadsView<const S>& b) {
+  const auto empty = [](const HeadsView<const S>& x) {
+    return x.batch == 0 || x.heads == 0 || x.length == 0 || x.dim == 0;
+  };
+  if (empty(a) || empty(b))
+    return false;
+  const auto span = [](const HeadsView<const S>& x) {  // elements from data to the last + 1
+    return (x.batch - 1) * x.batch_stride + (x.heads - 1) * x.head_stride +
+           (x.length - 1) * x.row_stride + x.dim;
+  };
+  const S* a_end = a.data + span(a);
+  const S* b_end = b.data + span(b);
+  if (a_end <= b.data || b_end <= a.data)
+    return false;
+  const Index width = a.row_stride;                            // columns of the shared rows
+  const auto columns = [width](const HeadsView<const S>& x) {  // used columns of a row
+    return (x.heads - 1) * x.head_stride + x.dim;
+  };
+  if (width <= 0 || b.row_stride != width || a.batch_stride % width != 0 ||
+      b.batch_stride % width != 0 || columns(a) > width || columns(b) > width)
+    return true;
+  const S* base = std::min(a.data, b.data);
+  const Index a_column = (a.data - base) % width, b_column = (b.data - base) % width;
+  if (a_column + columns(a) > width || b_column + columns(b) > width)
+    return true;
+  return a_column < b_column + columns(b) && b_column < a_column + columns(a);
+}
+
+/// Whether two views of different scalars may share memory: their byte ranges overlap.
+template <class A, class B>
+bool byte_ranges_overlap(const HeadsView<const A>& a, const HeadsView<const B>& b) {
+  const auto bytes = [](const auto& x) {  // [first, last) byte addresses, empty if no element
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(x.data)>>;
+    const Index elements = x.batch == 0 || x.heads == 0 || x.length == 0 || x.dim == 0
+                               ? 0
+                               : (x.batch - 1) * x.batch_stride + (x.heads - 1) * x.head_stride +
+                                     (x.length - 1) * x.row_stride + x.dim;
+    const auto first = reinterpret_cast<std::uintptr_t>(x.data);
+    return std::array<std::uintptr_t, 2>{first,
+                                         first + static_cast<std::uintptr_t>(elements) * sizeof(S)};
+  };
+  const auto [a_first, a_last] = bytes(a);
+  const auto [b_first, b_last] = bytes(b);
+  return a_first < a_last && b_first < b_last && a_first < b_last && b_first < a_last;
+}
+
+/// Throws unless `out` is exactly `q` (same scalar, memory and strides: computing in place
+/// is supported, each kernel reads a query row before it writes that row's output) or
+/// shares no element with q, k and v (an output overlapping k or v would change keys that
+/// later rows still read).
+template <class TQ, class TKV, class TO>
+void check_output_aliasing(const char* function, const HeadsView<const TQ>& q,
+                           const HeadsView<const TKV>& k, const HeadsView<const TKV>& v,
+                           const HeadsView<TO>& out_view) {
+  const HeadsView<const TO> out = out_view;
+  bool out_is_q = false;
+  if constexpr (std::is_same_v<TQ, TO>) {
+    out_is_q = out.data == q.data && out.batch_stride == q.batch_stride &&
+               out.head_stride == q.head_stride && out.row_stride == q.row_stride &&
+               out.dim == q.dim;
+  }
+  const auto overlap = [](const HeadsView<const TO>& x, const auto& y) {
+    if constexpr (std::is_same_v<decltype(x), decltype(y)>)
+      return views_may_overlap(x, y);  // knows disjoint column blocks of one buffer
+    else
+      return byte_ranges_overlap(x, y);
+  };
+  const char* overlapped = (!out_is_q && overlap(out, q)) ? "q"
+                           : overlap(out, k)              ? "k"
+                           : overlap(out, v)              ? "v"
+                                                          : nullptr;
+  if (overlapped != nullptr) {
+    throw_invalid_argument(function, std::string("out overlaps ") + overlapped +
+                                         ": out must be q itself (in place) or share no "
+                                         "element with q, k and v");
+  }
+}
 
 /// Read-only (B, H, L, D) view of anything rank4_tensor accepts.
 template <class X>

@@ -1,0 +1,696 @@
+// Differential fuzz target (libFuzzer): naive, chunked and flash attention must agree.
+//
+// Build and run: scripts/fuzz.sh (fuzz/README.md). Each input is decoded into one problem:
+//
+//   q  (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv)   B <= 3, Hkv <= 2, Hq/Hkv <= 2,
+//                                                              Lq, Lk <= 70, D, Dv <= 70
+//   float or double; every mask kind and combination (causal top_left / bottom_right, window,
+//   key_lengths, keep_mask and bias with any broadcast shape, -inf and +inf in the bias, ALiBi,
+//   softcap), scale, tile sizes; values uniform in [-2, 2] with a sprinkling of large values
+//   (up to 2^20) and of NaN; or, for some inputs, one invalid argument.
+//
+// Oracle (README, "Error contract"):
+//   - invalid argument: every kernel (and linear_attention, for the checks it shares) throws
+//     std::invalid_argument with the same message; otherwise nothing throws;
+//   - NaN reaches, in every kernel and in the reference: the whole row when a visible key's
+//     score is NaN or +inf (NaN in the query, the key or its bias); column e of a row that has
+//     a finite score when a visible key's v[j, e] is NaN. The other elements are compared
+//     when column e of the head's v holds no NaN; NaN only in the value rows of hidden keys
+//     (or of a fully masked row) is unspecified and not compared (naive and chunked multiply
+//     every value row by its weight, 0 x NaN = NaN; flash skips hidden tiles);
+//   - error bound, per compared element, against naive in a wider type R (double for float, long
+//     double for double):  |kernel - ref| <= 2 |naive_T - ref| + floor + cond, with
+//       floor = (32 + 2 Lk) eps max(1, max|v|)       (tests/test_kernels.cpp's 2x-naive rule,
+//                                                      its floor widened for long rows)
+//       cond  = 2 max|v| min(1, 2 (D + 4) eps S)     (S = the largest |term| of a visible
+//                                                      logit: scale sum_d |q_d k_d|, ALiBi,
+//                                                      bias; logits rounded differently by
+//                                                      each kernel move the softmax by up to
+//                                                      2 max|ds| in l1)
+//     and log-sum-exp within 64 eps max(|ref|, 1) + 2 (D + 4) eps S, -inf exactly where the
+//     reference has -inf;
+//   - linear_attention (elu + 1, causal or not, key_lengths, no NaN or large values) agrees
+//     with its quadratic form in R within (64 + 4 (D + Lk)) eps max(1, max|v|).
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <attn/attention.hpp>
+#include <attn/linear_attention.hpp>
+
+namespace {
+
+using attn::Index;
+
+/// Reads the fuzz input byte by byte; past the end every read gives 0.
+class Bytes {
+ public:
+  Bytes(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
+  unsigned byte() { return pos_ < size_ ? data_[pos_++] : 0u; }
+  /// An integer in [lo, hi].
+  Index in(Index lo, Index hi) {
+    const unsigned span = static_cast<unsigned>(hi - lo + 1);
+    return lo + static_cast<Index>(byte() % span);
+  }
+  bool flag() { return (byte() & 1u) != 0; }
+  std::uint64_t seed() {
+    std::uint64_t s = 0;
+    for (int n = 0; n < 4; ++n)
+      s = (s << 8) | byte();
+    return s;
+  }
+
+ private:
+  const std::uint8_t* data_;
+  std::size_t size_, pos_ = 0;
+};
+
+/// splitmix64: the same stream on every platform (std distributions are not portable).
+class Random {
+ public:
+  explicit Random(std::uint64_t seed) : state_(seed) {}
+  std::uint64_t next() {
+    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  double uniform(double lo, double hi) {
+    return lo + (hi - lo) * static_cast<double>(next() >> 11) * 0x1.0p-53;
+  }
+  Index below(Index n) { return static_cast<Index>(next() % static_cast<std::uint64_t>(n)); }
+
+ private:
+  std::uint64_t state_;
+};
+
+enum class Invalid : int {
+  none,
+  head_dims,     // k's D differs from q's
+  value_length,  // v's Lk differs from k's
+  batch,         // k's B differs
+  group,         // Hq not a multiple of Hkv
+  zero_dim,      // D = 0
+  window,        // window side -2
+  key_count,     // key_lengths has B + 1 entries
+  key_length,    // key_lengths[0] = Lk + 1
+  keep_shape,    // keep_mask not broadcastable
+  bias_shape,    // bias not broadcastable
+  alibi_count,   // Hq + 1 slopes
+  softcap,       // softcap <= 0
+  scale,         // scale NaN
+  tile,          // query_tile -1
+  out_shape,     // out view of the wrong shape
+  count
+};
+
+/// Invalid arguments that linear_attention checks the same way.
+bool shared_with_linear(Invalid e) {
+  return e == Invalid::head_dims || e == Invalid::value_length || e == Invalid::batch ||
+         e == Invalid::group || e == Invalid::zero_dim || e == Invalid::key_count ||
+         e == Invalid::key_length || e == Invalid::out_shape;
+}
+
+/// One decoded problem, values in double (exactly representable in float: rounded first).
+struct Problem {
+  bool use_double = false;
+  Index batch = 1, q_heads = 1, kv_heads = 1, q_length = 1, k_length = 1, dim = 1, value_dim = 1;
+  Invalid invalid = Invalid::none;
+  attn::Causal causal = attn::Causal::none;
+  attn::Window window{};
+  std::vector<Index> key_lengths;
+  std::array<Index, 4> keep_dims{0, 0, 0, 0}, bias_dims{0, 0, 0, 0};  // 0 = none
+  std::vector<bool> keep;
+  std::vector<double> bias, alibi;
+  double softcap = 0;  // 0 = none
+  double scale = 0;    // 0 = default
+  Index query_tile = 0, key_tile = 0;
+  std::vector<double> q, k, v;  // (B, Hq, Lq, D), (B, Hkv, Lk', D), (B', Hkv, Lk, Dv)
+  Index k_batch = 1, k_dim = 1, v_length = 1, out_dim = 1;
+  bool linear = false;
+  bool large = false, has_nan = false;
+};
+
+double rounded(bool use_double, double x) {
+  return use_double ? x : static_cast<double>(static_cast<float>(x));
+}
+
+std::array<Index, 4> broadcast_dims(Bytes& in, const std::array<Index, 4>& full) {
+  const unsigned bits = in.byte();
+  std::array<Index, 4> dims{};
+  for (std::size_t d = 0; d < 4; ++d)
+    dims[d] = (bits >> d) & 1u ? full[d] : 1;
+  return dims;
+}
+
+Index product(const std::array<Index, 4>& d) {
+  return d[0] * d[1] * d[2] * d[3];
+}
+
+Problem decode(const std::uint8_t* data, std::size_t size) {
+  Bytes in(data, size);
+  Problem p;
+  const unsigned header = in.byte();
+  p.use_double = (header & 1u) != 0;
+  p.linear = (header & 2u) != 0;
+  p.large = (header & 4u) != 0;
+  const bool nan = (header & 8u) != 0;
+  const unsigned invalid = in.byte() % 48;
+  p.invalid = invalid < static_cast<unsigned>(Invalid::count) ? static_cast<Invalid>(invalid)
+                                                              : Invalid::none;
+  p.batch = in.in(0, 3);
+  p.kv_heads = in.in(1, 2);
+  p.q_heads = p.kv_heads * in.in(1, 2);
+  p.q_length = in.in(0, 70);
+  p.k_length = in.in(0, 70);
+  p.dim = in.in(1, 70);
+  p.value_dim = in.in(0, 70);
+  // Keep most problems small so that the fuzzer runs many of them.
+  if ((header & 16u) == 0) {
+    p.q_length %= 20;
+    p.k_length %= 24;
+    p.dim = 1 + p.dim % 17;
+    p.value_dim %= 18;
+  }
+  const Index full_l = p.k_length;
+
+  const unsigned masks = in.byte();
+  p.causal = static_cast<attn::Causal>(masks % 3);
+  if (masks & 4u)
+    p.window = {in.in(-1, 20), in.in(-1, 20)};
+  if (masks & 8u) {
+    for (Index b = 0; b < p.batch; ++b)
+      p.key_lengths.push_back(in.in(0, full_l));
+  }
+  const std::array<Index, 4> full{p.batch, p.q_heads, p.q_length, p.k_length};
+  if (masks & 16u)
+    p.keep_dims = broadcast_dims(in, full);
+  if (masks & 32u)
+    p.bias_dims = broadcast_dims(in, full);
+  if (masks & 64u) {
+    for (Index h = 0; h < p.q_heads; ++h)
+      p.alibi.push_back(static_cast<double>(in.byte()) / 64.0);
+  }
+  if (masks & 128u)
+    p.softcap = 0.25 + static_cast<double>(in.byte()) / 4.0;
+  const unsigned scale = in.byte();
+  if (scale & 1u)
+    p.scale = std::ldexp((scale & 2u) ? -1.0 : 1.0, static_cast<int>(scale >> 2) % 12 - 6);
+  p.query_tile = in.in(0, 20);
+  p.key_tile = in.in(0, 20);
+
+  p.k_batch = p.batch;
+  p.k_dim = p.dim;
+  p.v_length = p.k_length;
+  p.out_dim = p.value_dim;
+  switch (p.invalid) {
+    case Invalid::head_dims:
+      p.k_dim = p.dim + 1;
+      break;
+    case Invalid::value_length:
+      p.v_length = p.k_length + 1;
+      break;
+    case Invalid::batch:
+      p.k_batch = p.batch + 1;
+      break;
+    case Invalid::group:
+      p.q_heads = p.kv_heads == 1 ? 1 : 3;  // with Hkv = 1 the problem stays valid
+      if (p.kv_heads == 1)
+        p.invalid = Invalid::none;
+      p.alibi.assign(p.alibi.empty() ? 0 : static_cast<std::size_t>(p.q_heads), 0.5);
+      p.keep_dims[1] = p.keep_dims[1] == 0 ? 0 : 1;
+      p.bias_dims[1] = p.bias_dims[1] == 0 ? 0 : 1;
+      break;
+    case Invalid::zero_dim:
+      p.dim = p.k_dim = 0;
+      break;
+    case Invalid::window:
+      p.window.left = -2;
+      break;
+    case Invalid::key_count:
+      p.key_lengths.assign(static_cast<std::size_t>(p.batch + 1), 0);
+      break;
+    case Invalid::key_length:
+      p.key_lengths.assign(static_cast<std::size_t>(p.batch), p.k_length);
+      if (p.batch == 0)
+        p.key_lengths.push_back(0);  // wrong count instead
+      else
+        p.key_lengths[0] = p.k_length + 1;
+      break;
+    case Invalid::keep_shape:
+      p.keep_dims = {1, 1, p.q_length + 2, 1};
+      break;
+    case Invalid::bias_shape:
+      p.bias_dims = {1, 1, 1, p.k_length + 2};
+      break;
+    case Invalid::alibi_count:
+      p.alibi.assign(static_cast<std::size_t>(p.q_heads + 1), 0.25);
+      break;
+    case Invalid::softcap:
+      p.softcap = in.flag() ? -1.0 : -0.0;
+      break;
+    case Invalid::scale:
+      p.scale = std::numeric_limits<double>::quiet_NaN();
+      break;
+    case Invalid::tile:
+      p.query_tile = -1;
+      break;
+    case Invalid::out_shape:
+      p.out_dim = p.value_dim + 1;
+      break;
+    default:
+      break;
+  }
+
+  Random rng(in.seed());
+  const auto fill = [&](std::vector<double>& x, Index n) {
+    x.resize(static_cast<std::size_t>(n));
+    for (double& e : x)
+      e = rounded(p.use_double, rng.uniform(-2, 2));
+  };
+  fill(p.q, p.batch * p.q_heads * p.q_length * p.dim);
+  fill(p.k, p.k_batch * p.kv_heads * p.k_length * p.k_dim);
+  fill(p.v, p.k_batch * p.kv_heads * p.v_length * p.value_dim);
+  if (p.keep_dims[0] > 0) {
+    p.keep.resize(static_cast<std::size_t>(product(p.keep_dims)));
+    for (std::size_t n = 0; n < p.keep.size(); ++n)
+      p.keep[n] = rng.below(4) != 0;
+  }
+  if (p.bias_dims[0] > 0) {
+    fill(p.bias, product(p.bias_dims));
+    for (double& e : p.bias) {
+      const Index r = rng.below(40);
+      if (r == 0)
+        e = -std::numeric_limits<double>::infinity();
+      else if (r == 1 && (masks & 1u))
+        e = std::numeric_limits<double>::infinity();
+    }
+  }
+  // A sprinkling of large values: up to 2^20 in magnitude, so that q . k stays far from
+  // overflow in float (70 * 2^40 < 2^47).
+  std::vector<double>* tensors[] = {&p.q, &p.k, &p.v, &p.bias};
+  if (p.large) {
+    const Index count = in.in(1, 8);
+    for (Index n = 0; n < count; ++n) {
+      std::vector<double>& t = *tensors[in.byte() % 4];
+      if (!t.empty()) {
+        const double magnitude = std::ldexp(1.0, static_cast<int>(in.in(4, 20)));
+        t[static_cast<std::size_t>(rng.below(static_cast<Index>(t.size())))] =
+            rounded(p.use_double, rng.uniform(-magnitude, magnitude));
+      }
+    }
+  }
+  if (nan) {
+    const Index count = in.in(1, 4);
+    for (Index n = 0; n < count; ++n) {
+      std::vector<double>& t = *tensors[in.byte() % 4];
+      if (!t.empty()) {
+        t[static_cast<std::size_t>(rng.below(static_cast<Index>(t.size())))] =
+            std::numeric_limits<double>::quiet_NaN();
+        p.has_nan = true;
+      }
+    }
+  }
+  return p;
+}
+
+[[noreturn]] void fail(const Problem& p, const std::string& what) {
+  std::fprintf(
+      stderr,
+      "fuzz_attention: %s\n  %s, B %ld, Hq %ld, Hkv %ld, Lq %ld, Lk %ld, D %ld, Dv %ld, "
+      "causal %d, window (%ld, %ld), key_lengths %zu, keep [%ld %ld %ld %ld], bias "
+      "[%ld %ld %ld %ld], alibi %zu, softcap %g, scale %g, tiles %ld x %ld, invalid %d\n",
+      what.c_str(), p.use_double ? "double" : "float", static_cast<long>(p.batch),
+      static_cast<long>(p.q_heads), static_cast<long>(p.kv_heads), static_cast<long>(p.q_length),
+      static_cast<long>(p.k_length), static_cast<long>(p.dim), static_cast<long>(p.value_dim),
+      static_cast<int>(p.causal), static_cast<long>(p.window.left),
+      static_cast<long>(p.window.right), p.key_lengths.size(), static_cast<long>(p.keep_dims[0]),
+      static_cast<long>(p.keep_dims[1]), static_cast<long>(p.keep_dims[2]),
+      static_cast<long>(p.keep_dims[3]), static_cast<long>(p.bias_dims[0]),
+      static_cast<long>(p.bias_dims[1]), static_cast<long>(p.bias_dims[2]),
+      static_cast<long>(p.bias_dims[3]), p.alibi.size(), p.softcap, p.scale,
+      static_cast<long>(p.query_tile), static_cast<long>(p.key_tile), static_cast<int>(p.invalid));
+  std::abort();
+}
+
+/// The problem's tensors and options in scalar type S.
+template <class S>
+struct Typed {
+  std::vector<S> q, k, v, bias;
+  std::vector<S> out;
+  std::vector<S> lse;
+  attn::Tensor<bool, 4> keep;
+  attn::AttentionOptions<S> options;
+
+  explicit Typed(const Problem& p) {
+    const auto cast = [](const std::vector<double>& x) {
+      return std::vector<S>(x.begin(), x.end());
+    };
+    q = cast(p.q);
+    k = cast(p.k);
+    v = cast(p.v);
+    bias = cast(p.bias);
+    options.causal = p.causal;
+    options.window = p.window;
+    options.key_lengths = p.key_lengths;
+    if (p.keep_dims[0] > 0) {
+      keep.resize(p.keep_dims[0], p.keep_dims[1], p.keep_dims[2], p.keep_dims[3]);
+      for (Index n = 0; n < keep.size(); ++n)
+        keep.data()[n] = p.keep[static_cast<std::size_t>(n)];
+      options.keep_mask = attn::Broadcast<bool>(keep.data(), p.keep_dims);
+    }
+    if (p.bias_dims[0] > 0)
+      options.bias = attn::Broadcast<S>(bias.data(), p.bias_dims);
+    for (const double slope : p.alibi)
+      options.alibi_slopes.push_back(static_cast<S>(slope));
+    if (p.softcap != 0 || p.invalid == Invalid::softcap)
+      options.softcap = static_cast<S>(p.softcap);
+    if (p.scale != 0)
+      options.scale = static_cast<S>(p.scale);
+    options.query_tile = p.query_tile;
+    options.key_tile = p.key_tile;
+  }
+
+  /// Runs one kernel; returns the exception message, or "" when it did not throw.
+  std::string run(const Problem& p, attn::Algorithm algorithm) {
+    options.algorithm = algorithm;
+    out.assign(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length * p.out_dim), S(-7));
+    lse.assign(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length), S(-7));
+    try {
+      attn::scaled_dot_product_attention_into<S>(
+          attn::bhld_view<const S>(q.data(), p.batch, p.q_heads, p.q_length, p.dim),
+          attn::bhld_view<const S>(k.data(), p.k_batch, p.kv_heads, p.k_length, p.k_dim),
+          attn::bhld_view<const S>(v.data(), p.k_batch, p.kv_heads, p.v_length, p.value_dim),
+          attn::bhld_view<S>(out.data(), p.batch, p.q_heads, p.q_length, p.out_dim), options,
+          nullptr, lse.data());
+    } catch (const std::invalid_argument& e) {
+      return std::string("invalid_argument: ") + e.what();
+    } catch (const std::exception& e) {
+      return std::string("other exception: ") + e.what();
+    }
+    return "";
+  }
+
+  std::string run_linear(const Problem& p, std::vector<S>& result) {
+    attn::LinearAttentionOptions<S> linear;
+    linear.causal = p.causal;
+    linear.key_lengths = p.key_lengths;
+    linear.chunk = p.query_tile;
+    result.assign(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length * p.out_dim), S(-7));
+    try {
+      attn::linear_attention_into<S>(
+          attn::bhld_view<const S>(q.data(), p.batch, p.q_heads, p.q_length, p.dim),
+          attn::bhld_view<const S>(k.data(), p.k_batch, p.kv_heads, p.k_length, p.k_dim),
+          attn::bhld_view<const S>(v.data(), p.k_batch, p.kv_heads, p.v_length, p.value_dim),
+          attn::bhld_view<S>(result.data(), p.batch, p.q_heads, p.q_length, p.out_dim), linear);
+    } catch (const std::invalid_argument& e) {
+      return std::string("invalid_argument: ") + e.what();
+    } catch (const std::exception& e) {
+      return std::string("other exception: ") + e.what();
+    }
+    return "";
+  }
+};
+
+/// Per output row: which elements NaN must reach, which are compared, and the error terms.
+/// NaN in a score reaches the whole row; NaN in v[j, e] only column e.
+struct RowRule {
+  std::vector<char> must_be_nan;  // (Dv)
+  std::vector<char> compared;     // (Dv)
+  bool sees_keys = false;
+  bool any_nan = false;    // a NaN score: the log-sum-exp is not compared
+  double value_max = 0;    // max |v| over the visible keys
+  double logit_scale = 0;  // S: the largest |term| of a visible logit
+};
+
+std::vector<RowRule> row_rules(const Problem& p) {
+  // The library's own visibility rule; Mask is validated, which the valid problem passes.
+  attn::Tensor<bool, 4> keep;
+  attn::Broadcast<bool> keep_view;
+  if (p.keep_dims[0] > 0) {
+    keep.resize(p.keep_dims[0], p.keep_dims[1], p.keep_dims[2], p.keep_dims[3]);
+    for (Index n = 0; n < keep.size(); ++n)
+      keep.data()[n] = p.keep[static_cast<std::size_t>(n)];
+    keep_view = attn::Broadcast<bool>(keep.data(), p.keep_dims);
+  }
+  const attn::Mask<double> mask("fuzz", p.batch, p.q_heads, p.q_length, p.k_length, p.causal,
+                                p.window, p.key_lengths, keep_view, {});
+  const auto bias_at = [&](Index b, Index h, Index i, Index j) {
+    if (p.bias.empty())
+      return 0.0;
+    const auto& d = p.bias_dims;
+    const Index n =
+        (((d[0] == 1 ? 0 : b) * d[1] + (d[1] == 1 ? 0 : h)) * d[2] + (d[2] == 1 ? 0 : i)) * d[3] +
+        (d[3] == 1 ? 0 : j);
+    return p.bias[static_cast<std::size_t>(n)];
+  };
+  const double scale = std::abs(p.scale != 0 ? p.scale : 1 / std::sqrt(static_cast<double>(p.dim)));
+  const Index group = p.q_heads / p.kv_heads;
+  const Index offset = p.causal == attn::Causal::top_left ? 0 : p.k_length - p.q_length;
+  std::vector<RowRule> rules(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
+  for (Index b = 0; b < p.batch; ++b) {
+    for (Index h = 0; h < p.q_heads; ++h) {
+      const Index g = h / group;
+      const double* v_head = p.v.data() + (b * p.kv_heads + g) * p.k_length * p.value_dim;
+      std::vector<char> nan_in_column(static_cast<std::size_t>(p.value_dim), 0);
+      for (Index n = 0; n < p.k_length * p.value_dim; ++n) {
+        if (std::isnan(v_head[n]))
+          nan_in_column[static_cast<std::size_t>(n % p.value_dim)] = 1;
+      }
+      for (Index i = 0; i < p.q_length; ++i) {
+        RowRule& rule = rules[static_cast<std::size_t>((b * p.q_heads + h) * p.q_length + i)];
+        const double* q_row = p.q.data() + ((b * p.q_heads + h) * p.q_length + i) * p.dim;
+        bool nan_score = false, finite_score = false;
+        std::vector<char> nan_visible_value(static_cast<std::size_t>(p.value_dim), 0);
+        for (Index j = 0; j < p.k_length; ++j) {
+          if (!mask.visible(b, h, i, j))
+            continue;
+          rule.sees_keys = true;
+          const double* k_row = p.k.data() + ((b * p.kv_heads + g) * p.k_length + j) * p.dim;
+          double dot = 0;
+          for (Index d = 0; d < p.dim; ++d)
+            dot += std::abs(q_row[d] * k_row[d]);
+          const double bias = bias_at(b, h, i, j);
+          const double alibi = p.alibi.empty() ? 0.0
+                                               : p.alibi[static_cast<std::size_t>(h)] *
+                                                     static_cast<double>(std::abs(i + offset - j));
+          if (std::isnan(dot) || std::isnan(bias) ||
+              bias == std::numeric_limits<double>::infinity())
+            nan_score = true;
+          else if (bias != -std::numeric_limits<double>::infinity())
+            finite_score = true;
+          if (std::isfinite(dot))
+            rule.logit_scale = std::max(rule.logit_scale, scale * dot);
+          if (std::isfinite(bias))
+            rule.logit_scale = std::max(rule.logit_scale, std::abs(bias));
+          rule.logit_scale = std::max(rule.logit_scale, alibi);
+          for (Index e = 0; e < p.value_dim; ++e) {
+            const double x = v_head[j * p.value_dim + e];
+            if (std::isnan(x))
+              nan_visible_value[static_cast<std::size_t>(e)] = 1;
+            else
+              rule.value_max = std::max(rule.value_max, std::abs(x));
+          }
+        }
+        if (p.softcap != 0)
+          rule.logit_scale = std::max(rule.logit_scale, p.softcap);
+        rule.must_be_nan.resize(static_cast<std::size_t>(p.value_dim));
+        rule.compared.resize(static_cast<std::size_t>(p.value_dim));
+        for (std::size_t e = 0; e < rule.compared.size(); ++e) {
+          rule.must_be_nan[e] = nan_score || (finite_score && nan_visible_value[e]);
+          rule.compared[e] = !rule.must_be_nan[e] && !nan_in_column[e];
+        }
+        rule.any_nan = nan_score;
+      }
+    }
+  }
+  return rules;
+}
+
+template <class T, class R>
+void check_attention(const Problem& p) {
+  Typed<T> typed(p);
+  Typed<R> wide(p);
+  const attn::Algorithm kernels[] = {attn::Algorithm::naive, attn::Algorithm::chunked,
+                                     attn::Algorithm::flash};
+  const std::string reference_error = wide.run(p, attn::Algorithm::naive);
+  std::vector<T> outs[3], lses[3];
+  for (int n = 0; n < 3; ++n) {
+    const std::string error = typed.run(p, kernels[n]);
+    const std::string name = attn::detail::algorithm_name(kernels[n]);
+    if (p.invalid != Invalid::none) {
+      if (error.rfind("invalid_argument: scaled_dot_product_attention: ", 0) != 0)
+        fail(p, name + " did not throw std::invalid_argument: '" + error + "'");
+      if (error != reference_error)
+        fail(p,
+             name + " threw '" + error + "' but naive in the wide type '" + reference_error + "'");
+      continue;
+    }
+    if (!error.empty())
+      fail(p, name + " threw on a valid problem: " + error);
+    outs[n] = typed.out;
+    lses[n] = typed.lse;
+  }
+  if (p.linear && shared_with_linear(p.invalid)) {
+    std::vector<T> ignored;
+    const std::string error = typed.run_linear(p, ignored);
+    if (error.rfind("invalid_argument: linear_attention: ", 0) != 0)
+      fail(p, "linear_attention did not throw std::invalid_argument: '" + error + "'");
+  }
+  if (p.invalid != Invalid::none)
+    return;
+  if (!reference_error.empty())
+    fail(p, "the wide reference threw: " + reference_error);
+
+  const double eps = static_cast<double>(std::numeric_limits<T>::epsilon());
+  const std::vector<RowRule> rules = row_rules(p);
+  const Index dv = p.value_dim;
+  for (std::size_t row = 0; row < rules.size(); ++row) {
+    const RowRule& rule = rules[row];
+    const auto at = [&](const auto& x, Index e) {
+      return static_cast<double>(
+          x[row * static_cast<std::size_t>(dv) + static_cast<std::size_t>(e)]);
+    };
+    for (Index e = 0; e < dv; ++e) {
+      if (!rule.must_be_nan[static_cast<std::size_t>(e)])
+        continue;
+      if (!std::isnan(at(wide.out, e)))
+        fail(p, "row " + std::to_string(row) + " is reached by NaN but the reference is not");
+      for (int n = 0; n < 3; ++n) {
+        if (!std::isnan(at(outs[n], e))) {
+          fail(p, std::string(attn::detail::algorithm_name(kernels[n])) + ": row " +
+                      std::to_string(row) + " element " + std::to_string(e) +
+                      " is reached by NaN but holds " + std::to_string(at(outs[n], e)));
+        }
+      }
+    }
+    const double logit_error = 2 * static_cast<double>(p.dim + 4) * eps * rule.logit_scale;
+    const double floor =
+        (32 + 2 * static_cast<double>(p.k_length)) * eps * std::max(1.0, rule.value_max);
+    const double cond = 2 * rule.value_max * std::min(1.0, logit_error);
+    const auto compared = [&](Index e) { return rule.compared[static_cast<std::size_t>(e)] != 0; };
+    double naive_error = 0;
+    for (Index e = 0; e < dv; ++e) {
+      if (compared(e))
+        naive_error = std::max(naive_error, std::abs(at(outs[0], e) - at(wide.out, e)));
+    }
+    const double lse_expected = static_cast<double>(wide.lse[row]);
+    const bool nothing_seen = lse_expected == -std::numeric_limits<double>::infinity();
+    if (!rule.sees_keys && !nothing_seen)
+      fail(p, "row " + std::to_string(row) + " sees no key but its log-sum-exp is not -inf");
+    for (int n = 0; n < 3; ++n) {
+      const char* name = attn::detail::algorithm_name(kernels[n]);
+      const double bound = (n == 0 ? naive_error : 2 * naive_error) + floor + cond;
+      for (Index e = 0; e < dv; ++e) {
+        if (!compared(e))
+          continue;
+        const double expected = at(wide.out, e), actual = at(outs[n], e);
+        if (!std::isfinite(expected))
+          fail(p, "row " + std::to_string(row) + ": the reference is not finite");
+        if (!(std::abs(actual - expected) <= bound)) {
+          fail(p, std::string(name) + ": row " + std::to_string(row) + " element " +
+                      std::to_string(e) + " is " + std::to_string(actual) + ", reference " +
+                      std::to_string(expected) + ", bound " + std::to_string(bound));
+        }
+        if (nothing_seen && actual != 0.0)
+          fail(p, std::string(name) + ": row " + std::to_string(row) + " sees no key, not 0");
+      }
+      if (rule.any_nan)
+        continue;
+      const double lse_actual = static_cast<double>(lses[n][row]);
+      if (nothing_seen != (lse_actual == -std::numeric_limits<double>::infinity()) ||
+          (!nothing_seen && !(std::abs(lse_actual - lse_expected) <=
+                              64 * eps * std::max(std::abs(lse_expected), 1.0) + logit_error))) {
+        fail(p, std::string(name) + ": row " + std::to_string(row) + " log-sum-exp " +
+                    std::to_string(lse_actual) + ", reference " + std::to_string(lse_expected));
+      }
+    }
+  }
+}
+
+/// linear_attention (elu + 1) against its quadratic form in R, head by head.
+template <class T, class R>
+void check_linear(const Problem& p) {
+  Typed<T> typed(p);
+  std::vector<T> out;
+  const std::string error = typed.run_linear(p, out);
+  if (!error.empty())
+    fail(p, "linear_attention threw on a valid problem: " + error);
+  const double eps = static_cast<double>(std::numeric_limits<T>::epsilon());
+  const Index group = p.q_heads / p.kv_heads;
+  const Index offset = p.causal == attn::Causal::top_left ? 0 : p.k_length - p.q_length;
+  const auto phi = [](double x) {
+    return x > 0 ? static_cast<R>(x) + 1 : std::exp(static_cast<R>(x));
+  };
+  std::vector<R> numerator(static_cast<std::size_t>(p.value_dim));
+  for (Index b = 0; b < p.batch; ++b) {
+    const Index key_length =
+        p.key_lengths.empty() ? p.k_length : p.key_lengths[static_cast<std::size_t>(b)];
+    for (Index h = 0; h < p.q_heads; ++h) {
+      const Index g = h / group;
+      double value_max = 0;
+      for (Index n = 0; n < p.k_length * p.value_dim; ++n) {
+        value_max = std::max(value_max, std::abs(p.v[static_cast<std::size_t>(
+                                            (b * p.kv_heads + g) * p.k_length * p.value_dim + n)]));
+      }
+      const double bound =
+          (64 + 4 * static_cast<double>(p.dim + p.k_length)) * eps * std::max(1.0, value_max);
+      for (Index i = 0; i < p.q_length; ++i) {
+        const double* q_row = p.q.data() + ((b * p.q_heads + h) * p.q_length + i) * p.dim;
+        R denominator = 0;
+        std::fill(numerator.begin(), numerator.end(), R(0));
+        for (Index j = 0; j < key_length; ++j) {
+          if (p.causal != attn::Causal::none && j > i + offset)
+            continue;
+          const double* k_row = p.k.data() + ((b * p.kv_heads + g) * p.k_length + j) * p.dim;
+          R a = 0;
+          for (Index d = 0; d < p.dim; ++d)
+            a += phi(q_row[d]) * phi(k_row[d]);
+          denominator += a;
+          for (Index e = 0; e < p.value_dim; ++e)
+            numerator[static_cast<std::size_t>(e)] +=
+                a * static_cast<R>(p.v[static_cast<std::size_t>(
+                        ((b * p.kv_heads + g) * p.k_length + j) * p.value_dim + e)]);
+        }
+        denominator += static_cast<R>(1e-6);
+        for (Index e = 0; e < p.value_dim; ++e) {
+          const double expected =
+              static_cast<double>(numerator[static_cast<std::size_t>(e)] / denominator);
+          const double actual = static_cast<double>(out[static_cast<std::size_t>(
+              ((b * p.q_heads + h) * p.q_length + i) * p.value_dim + e)]);
+          if (!(std::abs(actual - expected) <= bound)) {
+            fail(p, "linear_attention: (b, h, i, e) = (" + std::to_string(b) + ", " +
+                        std::to_string(h) + ", " + std::to_string(i) + ", " + std::to_string(e) +
+                        ") is " + std::to_string(actual) + ", quadratic form " +
+                        std::to_string(expected) + ", bound " + std::to_string(bound));
+          }
+        }
+      }
+    }
+  }
+}
+
+template <class T, class R>
+void check(const Problem& p) {
+  check_attention<T, R>(p);
+  if (p.linear && p.invalid == Invalid::none && !p.has_nan && !p.large)
+    check_linear<T, R>(p);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  const Problem p = decode(data, size);
+  if (p.use_double)
+    check<double, long double>(p);
+  else
+    check<float, double>(p);
+  return 0;
+}

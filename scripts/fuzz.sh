@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Builds and runs the differential fuzz target fuzz/fuzz_attention.cpp with clang's
+# libFuzzer, AddressSanitizer and UBSan (fuzz/README.md).
+#
+#   ./scripts/fuzz.sh                 # both builds, 60 s each
+#   ./scripts/fuzz.sh 300 native      # the -march=native build (AVX-512 flash kernel), 300 s
+#   ./scripts/fuzz.sh 60 portable     # the portable build
+#
+# Builds go to build/fuzz/; each run starts from the committed seed corpus fuzz/corpus/
+# (read only: new inputs go to build/fuzz/corpus-<variant>/), prints libFuzzer's final
+# statistics and the number of executions. A crash leaves its reproducer in build/fuzz/
+# (crash-*) and fails the script: turn it into a Catch2 test in tests/test_robustness.cpp.
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo_root"
+# shellcheck source=lib/ensure-packages.sh
+source scripts/lib/ensure-packages.sh
+attn_ensure_packages clang libclang-rt-14-dev libeigen3-dev
+
+seconds="${1:-60}"
+variants=("${@:2}")
+if ((${#variants[@]} == 0)); then
+  variants=(portable native)
+fi
+out="build/fuzz"
+mkdir -p "$out"
+cxx="${ATTN_FUZZ_CXX:-clang++}"
+
+flags_for() {
+  local flags=(-std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
+    -fno-omit-frame-pointer -isystem /usr/include/eigen3 -I include)
+  case "$1" in
+    portable) ;;
+    native) flags+=(-march=native) ;;
+    *)
+      echo "fuzz: unknown variant $1 (portable or native)" >&2
+      return 2
+      ;;
+  esac
+  printf '%s\n' "${flags[@]}"
+}
+
+# Build every variant at once (one compiler each: the machine has 2 cores), then run them
+# at once for $seconds each.
+start=$SECONDS
+pids=()
+for variant in "${variants[@]}"; do
+  mapfile -t flags < <(flags_for "$variant")
+  ((${#flags[@]} > 0)) || exit 2
+  echo "== fuzz: build $out/fuzz_attention_$variant =="
+  "$cxx" "${flags[@]}" fuzz/fuzz_attention.cpp -o "$out/fuzz_attention_$variant" &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do
+  wait "$pid"
+done
+echo "== fuzz: built in $((SECONDS - start)) s =="
+if grep -q avx512f /proc/cpuinfo; then
+  echo "fuzz: this CPU has AVX-512F: the native build fuzzes the AVX-512 flash kernel"
+else
+  echo "fuzz: no AVX-512F here: the native build fuzzes the portable kernels"
+fi
+
+start=$SECONDS
+pids=()
+for variant in "${variants[@]}"; do
+  mkdir -p "$out/corpus-$variant"
+  rm -f "$out"/crash-"$variant"-*
+  echo "== fuzz: run $variant for $seconds s (log: $out/fuzz-$variant.log) =="
+  (cd "$out" && ASAN_OPTIONS="detect_leaks=1" UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
+    "./fuzz_attention_$variant" -max_total_time="$seconds" -print_final_stats=1 \
+    -artifact_prefix="./crash-$variant-" "corpus-$variant" "$repo_root/fuzz/corpus") \
+    >"$out/fuzz-$variant.log" 2>&1 &
+  pids+=($!)
+done
+failed=0
+total=0
+for n in "${!variants[@]}"; do
+  variant="${variants[$n]}"
+  status=0
+  wait "${pids[$n]}" || status=$?
+  log="$out/fuzz-$variant.log"
+  grep -E '^stat::|^fuzz_attention:|^  (float|double),|ERROR|SUMMARY' "$log" || true
+  runs="$(grep -E '^stat::number_of_executed_units' "$log" | awk '{print $2}' || true)"
+  echo "fuzz: $variant: ${runs:-0} executions in $seconds s"
+  total=$((total + ${runs:-0}))
+  if ((status != 0)); then
+    echo "fuzz: $variant FAILED (exit $status); reproducer:" \
+      "$(ls "$out"/crash-"$variant"-* 2>/dev/null || echo none)" >&2
+    failed=1
+  fi
+done
+echo "fuzz: ${total} executions in total in $((SECONDS - start)) s"
+if ((failed)); then
+  exit 1
+fi
+echo "fuzz: no failure"
