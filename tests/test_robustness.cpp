@@ -489,6 +489,7 @@ TEST_CASE("threads calling attention and a shared const MultiHeadAttention concu
   for (int t = 0; t < tasks; ++t)
     sequential[static_cast<std::size_t>(t)] = run(t);
   std::vector<std::thread> threads;
+  threads.reserve(tasks);
   for (int t = 0; t < tasks; ++t)
     threads.emplace_back([&, t] { concurrent[static_cast<std::size_t>(t)] = run(t); });
   for (std::thread& thread : threads)

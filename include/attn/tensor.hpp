@@ -169,8 +169,8 @@ bool views_may_overlap(const HeadsView<const S>& a, const HeadsView<const S>& b)
   const S* b_end = b.data + span(b);
   if (a_end <= b.data || b_end <= a.data)
     return false;
-  const Index width = a.row_stride;                            // columns of the shared rows
-  const auto columns = [width](const HeadsView<const S>& x) {  // used columns of a row
+  const Index width = a.row_stride;                       // columns of the shared rows
+  const auto columns = [](const HeadsView<const S>& x) {  // used columns of a row
     return (x.heads - 1) * x.head_stride + x.dim;
   };
   if (width <= 0 || b.row_stride != width || a.batch_stride % width != 0 ||
