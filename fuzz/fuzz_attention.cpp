@@ -1,4 +1,4 @@
-// Differential fuzz target (libFuzzer): naive, chunked and flash attention must agree.
+// Differential fuzz target (libFuzzer): naive, chunked, flash and decode attention must agree.
 //
 // Build and run: scripts/fuzz.sh (fuzz/README.md). Each input is decoded into one problem:
 //
@@ -519,10 +519,11 @@ void check_attention(const Problem& p) {
   Typed<T> typed(p);
   Typed<R> wide(p);
   const attn::Algorithm kernels[] = {attn::Algorithm::naive, attn::Algorithm::chunked,
-                                     attn::Algorithm::flash};
+                                     attn::Algorithm::flash, attn::Algorithm::decode};
+  constexpr int kernel_count = 4;
   const std::string reference_error = wide.run(p, attn::Algorithm::naive);
-  std::vector<T> outs[3], lses[3];
-  for (int n = 0; n < 3; ++n) {
+  std::vector<T> outs[kernel_count], lses[kernel_count];
+  for (int n = 0; n < kernel_count; ++n) {
     const std::string error = typed.run(p, kernels[n]);
     const std::string name = attn::detail::algorithm_name(kernels[n]);
     if (p.invalid != Invalid::none) {
@@ -563,7 +564,7 @@ void check_attention(const Problem& p) {
         continue;
       if (!std::isnan(at(wide.out, e)))
         fail(p, "row " + std::to_string(row) + " is reached by NaN but the reference is not");
-      for (int n = 0; n < 3; ++n) {
+      for (int n = 0; n < kernel_count; ++n) {
         if (!std::isnan(at(outs[n], e))) {
           fail(p, std::string(attn::detail::algorithm_name(kernels[n])) + ": row " +
                       std::to_string(row) + " element " + std::to_string(e) +
@@ -585,7 +586,7 @@ void check_attention(const Problem& p) {
     const bool nothing_seen = lse_expected == -std::numeric_limits<double>::infinity();
     if (!rule.sees_keys && !nothing_seen)
       fail(p, "row " + std::to_string(row) + " sees no key but its log-sum-exp is not -inf");
-    for (int n = 0; n < 3; ++n) {
+    for (int n = 0; n < kernel_count; ++n) {
       const char* name = attn::detail::algorithm_name(kernels[n]);
       const double bound = (n == 0 ? naive_error : 2 * naive_error) + floor + cond;
       for (Index e = 0; e < dv; ++e) {

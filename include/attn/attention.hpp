@@ -174,10 +174,11 @@ void attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
                     compute_scalar_t<TQ>* logsumexp) {  // (B, Hq, Lq) or null
   using T = compute_scalar_t<TQ>;
   static_assert(is_storage_scalar_v<TQ> && is_storage_scalar_v<TKV> && is_storage_scalar_v<TO>,
-                "scaled_dot_product_attention: scalars must be float, double, Eigen::half or "
+                "scaled_dot_product_attention: scalars must be floating point, Eigen::half or "
                 "Eigen::bfloat16");
   static_assert(std::is_same_v<T, compute_scalar_t<TKV>> && std::is_same_v<T, compute_scalar_t<TO>>,
-                "scaled_dot_product_attention: double cannot be mixed with other scalars");
+                "scaled_dot_product_attention: q, k, v and out must share one compute scalar "
+                "(float with half or bfloat16; double only with double)");
   constexpr const char* function = "scaled_dot_product_attention";
   check_attention_shapes(function, q, k, v);
   if (out.batch != q.batch || out.heads != q.heads || out.length != q.length || out.dim != v.dim) {

@@ -25,15 +25,19 @@
 
 namespace attn {
 
-/// The scalars a tensor may be stored in.
+/// The 16-bit storage scalars: widened to float for all arithmetic.
 template <class S>
-inline constexpr bool is_storage_scalar_v =
-    std::is_same_v<S, float> || std::is_same_v<S, double> || std::is_same_v<S, Eigen::half> ||
-    std::is_same_v<S, Eigen::bfloat16>;
+inline constexpr bool is_16bit_scalar_v =
+    std::is_same_v<S, Eigen::half> || std::is_same_v<S, Eigen::bfloat16>;
 
-/// The scalar the arithmetic on S-stored data runs in: double for double, otherwise float.
+/// The scalars a tensor may be stored in: the standard floating types and the 16-bit ones.
 template <class S>
-using compute_scalar_t = std::conditional_t<std::is_same_v<S, double>, double, float>;
+inline constexpr bool is_storage_scalar_v = std::is_floating_point_v<S> || is_16bit_scalar_v<S>;
+
+/// The scalar the arithmetic on S-stored data runs in: float for the 16-bit types, S itself
+/// otherwise (float, double, or long double, which tests use as a wider reference).
+template <class S>
+using compute_scalar_t = std::conditional_t<is_16bit_scalar_v<S>, float, S>;
 
 namespace detail {
 
