@@ -288,28 +288,28 @@ bool run(const std::filesystem::path& out_dir) {
   // half GEMM, a half softmax) rounds every partial sum to 11 bits.
   {
     const Index length = 256, dim = 64;
-    std::mt19937 rng(0);
+    std::mt19937 half_rng(0);
     std::normal_distribution<float> normal(0.0F, 1.0F);
     attn::Matrix<Eigen::half> qh(length, dim), kh(length, dim), vh(length, dim);  // (L, D)
     for (attn::Matrix<Eigen::half>* m : {&qh, &kh, &vh}) {
       for (Index i = 0; i < m->size(); ++i)
-        m->data()[i] = Eigen::half(normal(rng));
+        m->data()[i] = Eigen::half(normal(half_rng));
     }
     // float64 reference on the same half values
     const Mat reference = attn::scaled_dot_product_attention(
         Mat(qh.cast<double>()), Mat(kh.cast<double>()), Mat(vh.cast<double>()));
     const attn::Matrix<Eigen::half> ours = attn::scaled_dot_product_attention(qh, kh, vh);
     // everything in half arithmetic
-    const Eigen::half scale(1.0F / 8.0F);
-    attn::Matrix<Eigen::half> scores = (qh * kh.transpose()) * scale;  // (L, L)
+    const Eigen::half half_scale(1.0F / 8.0F);
+    attn::Matrix<Eigen::half> half_scores = (qh * kh.transpose()) * half_scale;  // (L, L)
     for (Index i = 0; i < length; ++i) {
-      const Eigen::half row_max = scores.row(i).maxCoeff();
+      const Eigen::half row_max = half_scores.row(i).maxCoeff();
       for (Index j = 0; j < length; ++j)
-        scores(i, j) = Eigen::half(std::exp(static_cast<float>(scores(i, j) - row_max)));
-      const Eigen::half row_sum = scores.row(i).sum();
-      scores.row(i) /= row_sum;
+        half_scores(i, j) = Eigen::half(std::exp(static_cast<float>(half_scores(i, j) - row_max)));
+      const Eigen::half row_sum = half_scores.row(i).sum();
+      half_scores.row(i) /= row_sum;
     }
-    const attn::Matrix<Eigen::half> all_half = scores * vh;  // (L, D)
+    const attn::Matrix<Eigen::half> all_half = half_scores * vh;  // (L, D)
     const double ours_error = (ours.cast<double>() - reference).cwiseAbs().maxCoeff();
     const double half_error = (all_half.cast<double>() - reference).cwiseAbs().maxCoeff();
     std::cout << std::scientific << std::setprecision(2)
