@@ -129,7 +129,6 @@ void decode_split(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
                   Index key_block, DecodeWorkspace<T>& workspace,
                   T* partial) {  // m (R), l (R), acc (R, Dv)
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-  using RowArray = Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>;
   const Index group = q.heads / k.heads, q_length = q.length, rows = group * q_length;
   const Index value_dim = v.dim;
   Eigen::Map<Vector<T>> m(partial, rows), l(partial + rows, rows);
@@ -165,23 +164,8 @@ void decode_split(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
         mask.apply(b, kv_head * group + g, 0, c0, head_rows);
       }
     }
-    for (Index r = 0; r < rows; ++r) {
-      RowArray p(s.row(r).data(), cols);
-      const T block_max = p.template maxCoeff<Eigen::PropagateNaN>();
-      const T m_old = m(r);
-      const T m_new = (block_max > m_old || std::isnan(block_max)) ? block_max : m_old;
-      if (m_new == minus_inf) {  // nothing visible in this row so far
-        p.setZero();
-        workspace.alpha(r) = T(1);
-        continue;
-      }
-      p = (p - m_new).exp();
-      p -= p.min(flush_below<T>());             // exp(-inf) is not 0 in Eigen: see softmax.hpp
-      const T alpha = std::exp(m_old - m_new);  // 0 on the row's first visible block
-      workspace.alpha(r) = alpha;
-      l(r) = l(r) * alpha + p.sum();
-      m(r) = m_new;
-    }
+    for (Index r = 0; r < rows; ++r)
+      workspace.alpha(r) = online_softmax_step(s.row(r).data(), cols, m(r), l(r));
     const auto v_block = block_as<T>(v, b, kv_head, c0, cols, workspace.v);
     for (Index r = 0; r < rows; ++r) {
       if (first_block) {

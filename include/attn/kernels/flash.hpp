@@ -76,7 +76,6 @@ void flash_attention_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i
                           FlashWorkspace<T>& workspace,
                           T* logsumexp) {  // (rows) or null
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-  using RowArray = Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>;
   const Index rows = q.rows();
   const Index i1 = i0 + rows;
   const Index value_dim = v.cols();
@@ -110,23 +109,8 @@ void flash_attention_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i
       if (visibility == TileVisibility::partial || mask.modifies_scores())
         mask.apply(b, h, i0, j0, s);
 
-      for (Index r = 0; r < rows; ++r) {
-        RowArray p(s.row(r).data(), cols);
-        const T tile_max = p.template maxCoeff<Eigen::PropagateNaN>();
-        const T m_old = m(r);
-        const T m_new = (tile_max > m_old || std::isnan(tile_max)) ? tile_max : m_old;
-        if (m_new == minus_inf) {  // nothing visible in this row so far
-          p.setZero();
-          workspace.alpha(r) = T(1);
-          continue;
-        }
-        p = (p - m_new).exp();
-        p -= p.min(flush_below<T>());             // exp(-inf) is not 0 in Eigen: see softmax.hpp
-        const T alpha = std::exp(m_old - m_new);  // 0 on the row's first visible tile
-        workspace.alpha(r) = alpha;
-        l(r) = l(r) * alpha + p.sum();
-        m(r) = m_new;
-      }
+      for (Index r = 0; r < rows; ++r)
+        workspace.alpha(r) = online_softmax_step(s.row(r).data(), cols, m(r), l(r));
       const HeadMatrix<const T> v_tile = rows_as<T, S>(v, j0, cols, workspace.v);
       if (first_tile) {
         acc.noalias() = s * v_tile;
