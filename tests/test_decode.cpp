@@ -18,34 +18,15 @@
 #include <attn/kv_cache.hpp>
 #include <attn/multihead.hpp>
 
+#include "support/heads.hpp"
+
 using attn::Index;
+using attn_test::Heads;
+using attn_test::max_abs_error;
+using attn_test::random_heads;
 using Catch::Matchers::Contains;
 
 namespace {
-
-/// Owning contiguous (B, H, L, D) storage with its view.
-template <class T>
-struct Heads {
-  std::vector<T> data;
-  Index b, h, l, d;
-  Heads(Index batch, Index heads, Index length, Index dim)
-      : data(static_cast<std::size_t>(batch * heads * length * dim)),
-        b(batch),
-        h(heads),
-        l(length),
-        d(dim) {}
-  attn::HeadsView<T> view() { return attn::bhld_view(data.data(), b, h, l, d); }
-  attn::HeadsView<const T> cview() const {
-    return attn::bhld_view(static_cast<const T*>(data.data()), b, h, l, d);
-  }
-  template <class U>
-  Heads<U> cast() const {
-    Heads<U> r(b, h, l, d);
-    for (std::size_t n = 0; n < data.size(); ++n)
-      r.data[n] = static_cast<U>(static_cast<float>(data[n]));
-    return r;
-  }
-};
 
 struct Problem {
   Index batch, q_heads, kv_heads, q_length, k_length, dim, value_dim;
@@ -185,32 +166,6 @@ std::vector<double> reference(const Problem& p, const Heads<double>& q, const He
 }
 
 double identity(double x) {
-  return x;
-}
-
-/// Largest |a - e|; a mismatch in non-finite values counts as infinity.
-template <class T>
-double max_abs_error(const std::vector<T>& actual, const std::vector<double>& expected) {
-  double worst = 0;
-  for (std::size_t n = 0; n < expected.size(); ++n) {
-    const auto a = static_cast<double>(actual[n]);
-    const double e = expected[n];
-    if (!std::isfinite(e) || !std::isfinite(a)) {
-      if (!(a == e || (std::isnan(a) && std::isnan(e))))
-        worst = std::numeric_limits<double>::infinity();
-      continue;
-    }
-    worst = std::max(worst, std::abs(a - e));
-  }
-  return worst;
-}
-
-template <class T>
-Heads<T> random_heads(Index b, Index h, Index l, Index d, std::mt19937& rng) {
-  std::normal_distribution<double> normal(0.0, 1.0);
-  Heads<T> x(b, h, l, d);
-  for (T& e : x.data)
-    e = static_cast<T>(normal(rng));
   return x;
 }
 

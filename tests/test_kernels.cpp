@@ -15,54 +15,17 @@
 #include <attn/attention.hpp>
 
 #include "support/fixtures.hpp"
+#include "support/heads.hpp"
 #include "support/sdpa_case.hpp"
 
 using attn::Index;
+using attn_test::Heads;
 using attn_test::json;
+using attn_test::max_abs_error;
 
 namespace {
 
 constexpr attn::Algorithm tiled_algorithms[] = {attn::Algorithm::chunked, attn::Algorithm::flash};
-
-/// Owning contiguous (B, H, L, D) storage with its view.
-template <class T>
-struct Heads {
-  std::vector<T> data;
-  Index b, h, l, d;
-  Heads(Index batch, Index heads, Index length, Index dim)
-      : data(static_cast<std::size_t>(batch * heads * length * dim)),
-        b(batch),
-        h(heads),
-        l(length),
-        d(dim) {}
-  attn::HeadsView<T> view() { return attn::bhld_view(data.data(), b, h, l, d); }
-  attn::HeadsView<const T> cview() const {
-    return attn::bhld_view(static_cast<const T*>(data.data()), b, h, l, d);
-  }
-  template <class U>
-  Heads<U> cast() const {
-    Heads<U> r(b, h, l, d);
-    std::transform(data.begin(), data.end(), r.data.begin(), [](T x) { return static_cast<U>(x); });
-    return r;
-  }
-};
-
-/// Largest |a - e| over the output; a mismatch in non-finite values counts as infinity.
-template <class T>
-double max_abs_error(const std::vector<T>& actual, const std::vector<double>& expected) {
-  double worst = 0;
-  for (std::size_t n = 0; n < expected.size(); ++n) {
-    const double a = static_cast<double>(actual[n]);
-    const double e = expected[n];
-    if (!std::isfinite(e) || !std::isfinite(a)) {
-      if (!(a == e || (std::isnan(a) && std::isnan(e))))
-        worst = std::numeric_limits<double>::infinity();
-      continue;
-    }
-    worst = std::max(worst, std::abs(a - e));
-  }
-  return worst;
-}
 
 /// Absolute floor of the error bound: the flash/chunked error may exceed twice the naive
 /// kernel's error by at most this much (outputs are convex combinations of v, |v| <= ~4).

@@ -17,52 +17,16 @@
 #include <attn/multihead.hpp>
 #include <attn/precision.hpp>
 #include <attn/projection.hpp>
+
 #include <attn/score_modifiers.hpp>
+#include "support/heads.hpp"
 
 namespace {
 
 using attn::Index;
-
-/// Contiguous (B, H, L, D) data of scalar S.
-template <class S>
-struct Heads {
-  Index batch, heads, length, dim;
-  std::vector<S> data;
-  Heads(Index b, Index h, Index l, Index d)
-      : batch(b), heads(h), length(l), dim(d), data(static_cast<std::size_t>(b * h * l * d)) {}
-  attn::HeadsView<const S> cview() const {
-    return attn::bhld_view(data.data(), batch, heads, length, dim);
-  }
-  attn::HeadsView<S> view() { return attn::bhld_view(data.data(), batch, heads, length, dim); }
-  template <class U>
-  Heads<U> cast() const {
-    Heads<U> result(batch, heads, length, dim);
-    for (std::size_t i = 0; i < data.size(); ++i)
-      result.data[i] = static_cast<U>(static_cast<float>(data[i]));
-    return result;
-  }
-};
-
-template <class S>
-Heads<S> random_heads(Index b, Index h, Index l, Index d, std::mt19937& rng, double sigma = 1.0) {
-  std::normal_distribution<float> normal(0.0f, static_cast<float>(sigma));
-  Heads<S> x(b, h, l, d);
-  for (S& value : x.data)
-    value = static_cast<S>(normal(rng));
-  return x;
-}
-
-template <class S>
-double max_abs_error(const std::vector<S>& actual, const std::vector<double>& expected) {
-  REQUIRE(actual.size() == expected.size());
-  double worst = 0.0;
-  for (std::size_t i = 0; i < actual.size(); ++i) {
-    const double error = std::abs(static_cast<double>(static_cast<float>(actual[i])) - expected[i]);
-    if (!(error <= worst))  // NaN counts as the worst
-      worst = std::isnan(error) ? INFINITY : error;
-  }
-  return worst;
-}
+using attn_test::Heads;
+using attn_test::max_abs_error;
+using attn_test::random_heads;
 
 /// The masks the tests run under, in float or double.
 template <class T>
@@ -97,23 +61,23 @@ std::vector<double> plain_16bit_attention(const Heads<S>& q, const Heads<S>& k, 
   attn::Tensor<float, 4> weights;
   attn::AttentionOptions<float> naive = options;
   naive.algorithm = attn::Algorithm::naive;
-  Heads<float> unused(q.batch, q.heads, q.length, v.dim);
-  weights.resize(q.batch, q.heads, q.length, k.length);
+  Heads<float> unused(q.b, q.h, q.l, v.d);
+  weights.resize(q.b, q.h, q.l, k.l);
   attn::scaled_dot_product_attention_into<float>(qf.cview(), kf.cview(), vf.cview(), unused.view(),
                                                  naive, weights.data());
-  const Index group = q.heads / k.heads;
-  std::vector<double> out(static_cast<std::size_t>(q.batch * q.heads * q.length * v.dim));
-  for (Index b = 0; b < q.batch; ++b) {
-    for (Index h = 0; h < q.heads; ++h) {
+  const Index group = q.h / k.h;
+  std::vector<double> out(static_cast<std::size_t>(q.b * q.h * q.l * v.d));
+  for (Index b = 0; b < q.b; ++b) {
+    for (Index h = 0; h < q.h; ++h) {
       const auto vh = vf.cview().head(b, h / group);
-      for (Index i = 0; i < q.length; ++i) {
-        for (Index e = 0; e < v.dim; ++e) {
+      for (Index i = 0; i < q.l; ++i) {
+        for (Index e = 0; e < v.d; ++e) {
           float sum = 0.0f;
-          for (Index j = 0; j < k.length; ++j) {
+          for (Index j = 0; j < k.l; ++j) {
             const float p = static_cast<float>(static_cast<S>(weights(b, h, i, j)));
             sum += p * vh(j, e);
           }
-          const auto at = static_cast<std::size_t>(((b * q.heads + h) * q.length + i) * v.dim + e);
+          const auto at = static_cast<std::size_t>(((b * q.h + h) * q.l + i) * v.d + e);
           out[at] = static_cast<float>(static_cast<S>(sum));
         }
       }
@@ -128,10 +92,9 @@ std::vector<double> reference_attention(const Heads<SQ>& q, const Heads<SKV>& k,
                                         const Heads<SKV>& v, int mask_kind) {
   const Heads<double> qd = q.template cast<double>(), kd = k.template cast<double>(),
                       vd = v.template cast<double>();
-  attn::AttentionOptions<double> options =
-      masked_options<double>(mask_kind, q.batch, q.heads, k.length);
+  attn::AttentionOptions<double> options = masked_options<double>(mask_kind, q.b, q.h, k.l);
   options.algorithm = attn::Algorithm::naive;
-  Heads<double> out(q.batch, q.heads, q.length, v.dim);
+  Heads<double> out(q.b, q.h, q.l, v.d);
   attn::scaled_dot_product_attention_into<double>(qd.cview(), kd.cview(), vd.cview(), out.view(),
                                                   options);
   return out.data;
