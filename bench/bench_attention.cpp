@@ -71,6 +71,19 @@ double attention_flops(Index l, Index d, bool causal) {
   return 4.0 * static_cast<double>(kHeads) * scores * dd;
 }
 
+/// The timed loop of every attention family: `run` writes inputs.out; `flops` per call.
+template <class Run>
+void time_runs(benchmark::State& state, const Run& run, const Inputs& inputs, double flops) {
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(inputs.out.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] =
+      benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+  set_threads(1);
+}
+
 void BM_sdpa(benchmark::State& state, attn::Algorithm algorithm) {
   const Index length = state.range(0), dim = state.range(1);
   const bool causal = state.range(2) != 0;
@@ -89,14 +102,9 @@ void BM_sdpa(benchmark::State& state, attn::Algorithm algorithm) {
       return;
     }
   }
-  for (auto _ : state) {
-    inputs.run(algorithm, causal, inputs.out);
-    benchmark::DoNotOptimize(inputs.out.data());
-    benchmark::ClobberMemory();
-  }
-  state.counters["FLOPS"] = benchmark::Counter(attention_flops(length, dim, causal),
-                                               benchmark::Counter::kIsIterationInvariantRate);
-  set_threads(1);
+  time_runs(
+      state, [&] { inputs.run(algorithm, causal, inputs.out); }, inputs,
+      attention_flops(length, dim, causal));
 }
 
 // Prefill against 16-bit keys and values: float q and out, k and v stored as S (half or
@@ -135,14 +143,7 @@ void BM_flash_kv16(benchmark::State& state) {
     state.SkipWithError("16-bit k/v result differs from float flash on the same values");
     return;
   }
-  for (auto _ : state) {
-    run();
-    benchmark::DoNotOptimize(inputs.out.data());
-    benchmark::ClobberMemory();
-  }
-  state.counters["FLOPS"] = benchmark::Counter(attention_flops(length, dim, causal),
-                                               benchmark::Counter::kIsIterationInvariantRate);
-  set_threads(1);
+  time_runs(state, run, inputs, attention_flops(length, dim, causal));
 }
 
 // The portable flash kernel (kernels/flash.hpp: Eigen GEMMs on tiles), which is what float
@@ -192,14 +193,7 @@ void BM_flash_portable(benchmark::State& state) {
     state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
     return;
   }
-  for (auto _ : state) {
-    run();
-    benchmark::DoNotOptimize(inputs.out.data());
-    benchmark::ClobberMemory();
-  }
-  state.counters["FLOPS"] = benchmark::Counter(attention_flops(length, dim, causal),
-                                               benchmark::Counter::kIsIterationInvariantRate);
-  set_threads(1);
+  time_runs(state, run, inputs, attention_flops(length, dim, causal));
 }
 
 // Linear attention (elu + 1, attn/linear_attention.hpp) on the same inputs. FLOPs are the
@@ -241,18 +235,11 @@ void BM_linear(benchmark::State& state) {
       return;
     }
   }
-  for (auto _ : state) {
-    run();
-    benchmark::DoNotOptimize(inputs.out.data());
-    benchmark::ClobberMemory();
-  }
   const double l = static_cast<double>(length), d = static_cast<double>(dim);
   double per_head = 4 * l * d * d + 4 * l * d;
   if (causal)
     per_head += l * static_cast<double>(attn::default_linear_chunk) * (4 * d + 1);
-  state.counters["FLOPS"] = benchmark::Counter(static_cast<double>(kHeads) * per_head,
-                                               benchmark::Counter::kIsIterationInvariantRate);
-  set_threads(1);
+  time_runs(state, run, inputs, static_cast<double>(kHeads) * per_head);
 }
 
 // Eigen's plain GEMM at one head's shape: (Lq x D) x (D x Lk) -> (Lq x Lk), row-major, as
