@@ -294,6 +294,42 @@ TEMPLATE_TEST_CASE("decode with half and bfloat16 K and V accumulates in float",
   }
 }
 
+TEMPLATE_TEST_CASE("decode at the head dims models use (whole vectors of 16) and remainders",
+                   "[decode]", float, Eigen::half, Eigen::bfloat16) {
+  // The AVX-512 products (kernels/decode_avx512.hpp) take whole 16-float vectors and 4 keys
+  // x 4 rows at a time; these shapes give every row-block remainder (rows 1 .. 8) and key
+  // remainder (Lk % 4, block ends) with whole-vector dims, and a 16-lane tail (D 80, Dv 48
+  // are whole too; 72 / 40 are not).
+  using S = TestType;
+  std::mt19937 rng(13);
+  for (const auto& [dim, value_dim] : {std::pair<Index, Index>{64, 128}, {128, 64}, {72, 40}}) {
+    for (const Index group : {1, 2, 3, 4, 8}) {
+      for (const Index q_length : {1, 2}) {
+        for (const int kind : {0, 2, 9}) {
+          const Problem p{1, 2 * group, 2, q_length, 1031, dim, value_dim, kind};
+          INFO(describe(p));
+          const MaskData m = make_masks(p, rng);
+          const auto q = random_heads<float>(p.batch, p.q_heads, p.q_length, p.dim, rng);
+          const Heads<S> k =
+              random_heads<float>(p.batch, p.kv_heads, p.k_length, p.dim, rng).template cast<S>();
+          const Heads<S> v = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng)
+                                 .template cast<S>();
+          const Heads<double> qd = q.template cast<double>(), kd = k.template cast<double>(),
+                              vd = v.template cast<double>();
+          const std::vector<double> expected = reference(p, qd, kd, vd, m, identity);
+          // The float kernel's own rounding: naive in float on the same values.
+          const double naive_error = max_abs_error(
+              reference(p, qd, kd, vd, m, [](double x) { return double(static_cast<float>(x)); }),
+              expected);
+          const double error = max_abs_error(run_decode<S>(p, q, k, v, m, 512, 64), expected);
+          CAPTURE(naive_error, error);
+          REQUIRE(error <= 2 * naive_error + error_floor<float>());
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("decode over 16384 half keys stays accurate where a half accumulator fails", "[decode]") {
   // Small scores: every key gets a weight near 1, so the softmax sum approaches Lk. A half
   // accumulator stops growing at 2048 (adding 1 to 2048 rounds back to 2048 in half), so

@@ -20,9 +20,11 @@
 //     log-sum-exp in split order. Every item is computed the same way whatever the thread
 //     count and the merge order is fixed, so results are bitwise identical for any number
 //     of threads;
-//   - widens K and V from S to T in blocks of `key_block` rows as it streams them
-//     (detail::widen, precision.hpp: vectorised with AVX-512F, F16C or AVX2), so a half
-//     cache costs half the bandwidth.
+//   - reads K and V in S, so a half cache costs half the bandwidth. With AVX-512 and float
+//     compute, the two products are register-blocked kernels that widen each 16-element
+//     piece of a k or v row in a register and prefetch 32 rows ahead
+//     (kernels/decode_avx512.hpp); otherwise blocks of `key_block` rows are widened into
+//     the workspace (detail::widen, precision.hpp) and multiplied by Eigen.
 // Accumulation (scores, softmax sums, P V) is always in T, never in half: a half accumulator
 // has an 11-bit significand, so summing thousands of weights stops growing once the sum
 // reaches 2^11 ulps of the terms (see the long-context test).
@@ -34,7 +36,8 @@
 //
 // Extra memory: per call, partials of splits * G * Lq * (Dv + 2) scalars for every
 // (b, kv head), splits = ceil(Lk / split_keys); per thread, G * Lq * (D + key_block + Dv + 3)
-// scalars, plus key_block * (D + Dv) when S != T (the converted K and V block).
+// scalars, plus key_block * (D + Dv) when S != T on the portable path (the widened K and V
+// block; the AVX-512 path widens in registers).
 #pragma once
 
 #include <algorithm>
@@ -47,6 +50,7 @@
 #include <Eigen/Core>
 
 #include "attn/config.hpp"
+#include "attn/kernels/decode_avx512.hpp"
 #include "attn/mask.hpp"
 #include "attn/precision.hpp"
 #include "attn/softmax.hpp"
@@ -55,10 +59,12 @@
 namespace attn {
 
 /// Algorithm::automatic uses the decode kernel for at most this many queries per head.
-/// Measured (bench_decode's decode_vs_flash_by_Lq, Lk = 4096, D = 128, one thread): decode
-/// is 1.7x / 4.1x faster than flash at Lq = 1 (MHA / GQA 32/8), 1.0x / 1.6x at Lq = 4, and
-/// 0.76x / 1.0x at Lq = 8: its row-by-row products cost G * Lq passes over each key block.
-inline constexpr Index decode_max_queries = 4;
+/// Measured (bench_decode's decode_vs_flash_by_Lq, Lk = 4096, D = 128, one thread): with
+/// the AVX-512 products, decode takes 0.64x / 0.17x the flash time at Lq = 1 (MHA / GQA
+/// 32/8), 0.85x / 0.54x at Lq = 8 and 1.2x / 0.95x at Lq = 16. Eigen's row-by-row products
+/// (the path without AVX-512) stop paying earlier: 1.0x / 0.6x at Lq = 4 and 1.3x / 1.0x at
+/// Lq = 8 (measured on the same machine before the AVX-512 products existed).
+inline constexpr Index decode_max_queries = ATTN_HAS_AVX512_DECODE ? 8 : 4;
 /// Keys per split of the decode kernel: the unit of parallel work and of the merge.
 inline constexpr Index decode_split_keys = 512;
 /// Keys per block inside a split (converted, scored and accumulated together).
@@ -90,6 +96,11 @@ struct DecodeWorkspace {
     }
   }
 };
+
+/// Whether decode_split runs the AVX-512 products (kernels/decode_avx512.hpp), which widen
+/// K and V in registers, instead of widening blocks into the workspace for Eigen's products.
+template <class T>
+inline constexpr bool uses_fused_decode_v = ATTN_HAS_AVX512_DECODE&& std::is_same_v<T, float>;
 
 /// Rows [j0, j0 + rows) of one (L, cols) head of `x` as a T matrix: the memory itself when
 /// S == T, else converted into `buffer` (at least (rows, cols)).
@@ -129,8 +140,12 @@ void decode_split(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
                   Index key_block, DecodeWorkspace<T>& workspace,
                   T* partial) {  // m (R), l (R), acc (R, Dv)
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  constexpr bool fused = uses_fused_decode_v<T>;
   const Index group = q.heads / k.heads, q_length = q.length, rows = group * q_length;
   const Index value_dim = v.dim;
+  [[maybe_unused]] const auto block_start = [b, kv_head](const HeadsView<const S>& x, Index j) {
+    return x.data + b * x.batch_stride + kv_head * x.head_stride + j * x.row_stride;
+  };
   Eigen::Map<Vector<T>> m(partial, rows), l(partial + rows, rows);
   Eigen::Map<Matrix<T>> acc(partial + 2 * rows, rows, value_dim);
   m.setConstant(minus_inf);
@@ -151,13 +166,20 @@ void decode_split(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
     const TileVisibility visibility = mask.classify(b, kv_head * group, 0, q_length, c0, c1);
     if (visibility == TileVisibility::hidden)
       continue;
-    const auto k_block = block_as<T>(k, b, kv_head, c0, cols, workspace.k);
     Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> s(workspace.s.data(), rows, cols,
                                                      Eigen::OuterStride<>(workspace.s.cols()));
-    // One matrix-vector product per row: Eigen's GEMM packs both operands, which at
-    // G * Lq <= 64 rows costs more than the arithmetic (measured 1.6x slower).
-    for (Index r = 0; r < rows; ++r)
-      s.row(r).noalias() = q_tile.row(r) * k_block.transpose();
+    if constexpr (fused) {
+#if ATTN_HAS_AVX512_DECODE
+      avx512::decode_scores(q_tile.data(), q.dim, rows, block_start(k, c0), k.row_stride, cols,
+                            q.dim, s.data(), s.outerStride());
+#endif
+    } else {
+      const auto k_block = block_as<T>(k, b, kv_head, c0, cols, workspace.k);
+      // One matrix-vector product per row: Eigen's GEMM packs both operands, which at
+      // G * Lq <= 64 rows costs more than the arithmetic (measured 1.6x slower).
+      for (Index r = 0; r < rows; ++r)
+        s.row(r).noalias() = q_tile.row(r) * k_block.transpose();
+    }
     if (visibility == TileVisibility::partial || mask.modifies_scores()) {
       for (Index g = 0; g < group; ++g) {
         auto head_rows = s.middleRows(g * q_length, q_length);
@@ -166,6 +188,15 @@ void decode_split(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
     }
     for (Index r = 0; r < rows; ++r)
       workspace.alpha(r) = online_softmax_step(s.row(r).data(), cols, m(r), l(r));
+    if constexpr (fused) {
+#if ATTN_HAS_AVX512_DECODE
+      avx512::decode_weighted_sum(s.data(), s.outerStride(), rows, block_start(v, c0), v.row_stride,
+                                  cols, value_dim, workspace.alpha.data(), first_block, acc.data(),
+                                  value_dim);
+#endif
+      first_block = false;
+      continue;
+    }
     const auto v_block = block_as<T>(v, b, kv_head, c0, cols, workspace.v);
     for (Index r = 0; r < rows; ++r) {
       if (first_block) {
@@ -219,7 +250,7 @@ void decode_attention(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
   {
     DecodeWorkspace<T> workspace;  // one per thread, allocated once per call
     workspace.reserve(rows, std::min(key_block, std::max(k_length, Index(1))), q.dim, value_dim,
-                      !std::is_same_v<S, T>);
+                      !std::is_same_v<S, T> && !uses_fused_decode_v<T>);
 #if ATTN_HAS_OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
