@@ -14,6 +14,7 @@
 #include <catch2/catch.hpp>
 
 #include <attn/attention.hpp>
+#include <attn/kv_cache.hpp>
 #include <attn/multihead.hpp>
 #include <attn/precision.hpp>
 #include <attn/projection.hpp>
@@ -438,4 +439,67 @@ TEST_CASE("mixed storage: an output overlapping an input of another scalar is re
                                           attn::bhld_view(out.data(), 1, 1, 2, 8));
   for (const Eigen::half value : out)
     CHECK(static_cast<float>(value) == 1.0f);
+}
+
+TEMPLATE_TEST_CASE("a 16-bit MultiHeadAttention decodes token by token like its causal forward",
+                   "[precision][kv_cache][multihead]", Eigen::half, Eigen::bfloat16) {
+  // Same 16-bit module both ways: the projections and the attention output are rounded to
+  // 16 bits once each either way, so the two may differ only where a float sum in another
+  // order (decode or flash, GEMMs of other sizes) rounds to a neighbouring 16-bit value.
+  using T = TestType;
+  const double eps = std::is_same_v<T, Eigen::half> ? 0x1p-10 : 0x1p-7;
+  attn::MultiHeadAttentionConfig config;
+  config.embed_dim = 32;
+  config.num_heads = 4;
+  config.num_kv_heads = 2;
+  config.seed = 9;
+  const attn::MultiHeadAttention<float> fresh(config);
+  attn::StateDict<T> state;
+  for (const auto& [name, tensor] : fresh.state_dict()) {
+    state[name].shape = tensor.shape;
+    for (const float value : tensor.data)
+      state[name].data.push_back(T(value));
+  }
+  const auto mha = attn::MultiHeadAttention<T>::from_state_dict(config, state);
+  const Index batch = 2, length = 10, e = 32;
+  std::mt19937 rng(23);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  attn::Tensor<T, 3> x(batch, length, e);
+  for (Index n = 0; n < x.size(); ++n)
+    x.data()[n] = T(normal(rng));
+  attn::MultiHeadForwardOptions<T> causal;
+  causal.is_causal = true;
+  const attn::Tensor<T, 3> expected = mha.forward(x, causal).output;
+  double magnitude = 1;
+  for (Index n = 0; n < expected.size(); ++n)
+    magnitude = std::max(magnitude, std::abs(static_cast<double>(expected.data()[n])));
+
+  const auto decode = [&](auto cache, Index chunk) {
+    double worst = 0;
+    for (Index t0 = 0; t0 < length; t0 += chunk) {
+      const Index n = std::min(chunk, length - t0);
+      attn::Tensor<T, 3> part(batch, n, e);
+      for (Index b = 0; b < batch; ++b)
+        for (Index t = 0; t < n; ++t)
+          for (Index c = 0; c < e; ++c)
+            part(b, t, c) = x(b, t0 + t, c);
+      const attn::Tensor<T, 3> y = mha.forward_incremental(part, cache);
+      for (Index b = 0; b < batch; ++b)
+        for (Index t = 0; t < n; ++t)
+          for (Index c = 0; c < e; ++c)
+            worst = std::max(worst, std::abs(static_cast<double>(y(b, t, c)) -
+                                             static_cast<double>(expected(b, t0 + t, c))));
+    }
+    REQUIRE(cache.lengths() == std::vector<Index>{length, length});
+    return worst;
+  };
+  for (const Index chunk : {1, 4}) {
+    INFO("chunk " << chunk);
+    const double same_type = decode(attn::KVCache<T>(batch, 2, 8, 8, 4), chunk);
+    const double float_cache = decode(attn::KVCache<float>(batch, 2, 8, 8, 4), chunk);
+    CAPTURE(magnitude, same_type, float_cache);
+    // A float cache holds the same (16-bit) keys and values exactly.
+    REQUIRE(same_type <= 4 * eps * magnitude);
+    REQUIRE(float_cache <= 4 * eps * magnitude);
+  }
 }

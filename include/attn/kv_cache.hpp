@@ -296,8 +296,12 @@ class KVCache {
       if constexpr (std::is_same_v<U, S>) {
         std::copy(src, src + dim, dst + r * dim);
       } else {
-        for (Index d = 0; d < dim; ++d)
-          dst[r * dim + d] = static_cast<S>(src[d]);
+        for (Index d = 0; d < dim; ++d) {
+          if constexpr (is_16bit_scalar_v<U>)  // half <-> bfloat16 convert through float
+            dst[r * dim + d] = static_cast<S>(static_cast<float>(src[d]));
+          else
+            dst[r * dim + d] = static_cast<S>(src[d]);
+        }
       }
     }
   }

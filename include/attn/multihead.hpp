@@ -342,13 +342,17 @@ class MultiHeadAttention {
   /// Returns (B, Lnew, E). Feeding a sequence in any chunks gives the causal forward() of
   /// the whole sequence. `attention` may add a window, ALiBi slopes or a softcap; causal
   /// and key_lengths come from the cache. Needs kdim = vdim = E and neither add_bias_kv
-  /// nor add_zero_attn.
+  /// nor add_zero_attn. A half or bfloat16 module (T 16-bit, arithmetic in float) takes a
+  /// float, half or bfloat16 cache; like forward(), it rounds the projections and the
+  /// attention output to T once each.
   template <class S>
   Tensor<T, 3> forward_incremental(const Tensor<T, 3>& x_new,  // (B, Lnew, E)
                                    KVCache<S>& cache,
-                                   const AttentionOptions<T>& attention = {}) const {
-    static_assert(std::is_same_v<T, typename KVCache<S>::compute_type>,
-                  "MultiHeadAttention::forward_incremental: the cache's compute type must be T");
+                                   const AttentionOptions<C>& attention = {}) const {
+    static_assert(std::is_same_v<C, typename KVCache<S>::compute_type>,
+                  "MultiHeadAttention::forward_incremental: the cache must compute in T's "
+                  "arithmetic scalar (a double cache for double; float, half or bfloat16 "
+                  "otherwise)");
     constexpr const char* function = "MultiHeadAttention::forward_incremental";
     const Index batch = x_new.dimension(0), length = x_new.dimension(1);
     const Index e = config_.embed_dim, ekv = kv_width(), d = head_dim();
@@ -385,8 +389,18 @@ class MultiHeadAttention {
                  strided(qkv.data() + e + ekv, batch, length, kv_heads, d, length, width));
     // pass 2: attention against the whole cache, written as (B, Lnew, H, D) = (B, Lnew, E).
     Matrix<T> merged(batch * length, e);
-    cache.attend_into(strided(qkv.data(), batch, length, heads, d, length, width),
-                      blhd_view(merged.data(), batch, length, heads, d), attention);
+    if constexpr (std::is_same_v<T, C>) {
+      cache.attend_into(strided(qkv.data(), batch, length, heads, d, length, width),
+                        blhd_view(merged.data(), batch, length, heads, d), attention);
+    } else {  // 16-bit T: the queries widened (exactly), the output rounded to T once
+      Matrix<C> q_wide(batch * length, e), merged_wide(batch * length, e);
+      for (Index r = 0; r < batch * length; ++r)
+        detail::widen(qkv.row(r).data(), q_wide.row(r).data(), e);
+      cache.attend_into(
+          strided(static_cast<const C*>(q_wide.data()), batch, length, heads, d, length, e),
+          blhd_view(merged_wide.data(), batch, length, heads, d), attention);
+      merged = merged_wide.template cast<T>();
+    }
     // pass 3: output projection.
     Tensor<T, 3> output(batch, length, e);
     out_proj_.apply_into(ConstRowsMap<T>(merged.data(), batch * length, e, Eigen::OuterStride<>(e)),
@@ -589,7 +603,8 @@ class MultiHeadAttention {
     }
   }
 
-  static HeadsView<const T> strided(const T* data, Index batch, Index length, Index heads,
+  template <class U>
+  static HeadsView<const U> strided(const U* data, Index batch, Index length, Index heads,
                                     Index dim, Index rows_per_batch, Index row_stride) {
     return {data, batch, heads, length, dim, rows_per_batch * row_stride, dim, row_stride};
   }
