@@ -167,6 +167,36 @@ void check_16bit_storage(const char* type_name) {
   }
 }
 
+/// Machine epsilon of a 16-bit type: 2^-10 for half, 2^-7 for bfloat16 (Eigen 3.4's
+/// numeric_limits<half>::epsilon() returns 2^-13, so it is spelled out here).
+template <class S>
+constexpr double epsilon16() {
+  return std::is_same_v<S, Eigen::half> ? 0x1p-10 : 0x1p-7;
+}
+
+/// The module of the 16-bit MultiHeadAttention tests: E = 32, 4 heads sharing 2 kv heads.
+attn::MultiHeadAttentionConfig small_gqa_config(std::uint64_t seed) {
+  attn::MultiHeadAttentionConfig config;
+  config.embed_dim = 32;
+  config.num_heads = 4;
+  config.num_kv_heads = 2;
+  config.seed = seed;
+  return config;
+}
+
+/// A fresh float module's weights rounded to S, stored as U: S itself, or float holding the
+/// rounded values (the float reference on the same weights).
+template <class S, class U = S>
+attn::StateDict<U> rounded_state(const attn::MultiHeadAttentionConfig& config) {
+  attn::StateDict<U> state;
+  for (const auto& [name, tensor] : attn::MultiHeadAttention<float>(config).state_dict()) {
+    state[name].shape = tensor.shape;
+    for (const float value : tensor.data)
+      state[name].data.push_back(static_cast<U>(S(value)));
+  }
+  return state;
+}
+
 }  // namespace
 
 TEST_CASE("half storage: every algorithm within twice the plain 16-bit error", "[precision]") {
@@ -343,28 +373,12 @@ TEMPLATE_TEST_CASE("MultiHeadAttention with 16-bit weights and activations", "[p
   // The float layer on the same (16-bit) weights and inputs is the reference; the 16-bit
   // layer rounds its projections, attention output and result to 16 bits, so it may differ
   // by a few 16-bit roundings, no more.
-  // Machine epsilon: 2^-10 for half, 2^-7 for bfloat16 (Eigen 3.4's
-  // numeric_limits<half>::epsilon() returns 2^-13, so it is spelled out here).
-  const double eps = std::is_same_v<TestType, Eigen::half> ? 0x1p-10 : 0x1p-7;
-  attn::MultiHeadAttentionConfig config;
-  config.embed_dim = 32;
-  config.num_heads = 4;
-  config.num_kv_heads = 2;
-  config.seed = 5;
-  const attn::MultiHeadAttention<float> fresh(config);
-  attn::StateDict<TestType> narrow_state;
-  attn::StateDict<float> wide_state;
-  for (const auto& [name, tensor] : fresh.state_dict()) {
-    attn::StateTensor<TestType>& narrow = narrow_state[name];
-    attn::StateTensor<float>& wide = wide_state[name];
-    narrow.shape = wide.shape = tensor.shape;
-    for (const float value : tensor.data) {
-      narrow.data.push_back(TestType(value));
-      wide.data.push_back(static_cast<float>(TestType(value)));
-    }
-  }
-  const auto narrow = attn::MultiHeadAttention<TestType>::from_state_dict(config, narrow_state);
-  const auto wide = attn::MultiHeadAttention<float>::from_state_dict(config, wide_state);
+  const double eps = epsilon16<TestType>();
+  const attn::MultiHeadAttentionConfig config = small_gqa_config(5);
+  const auto narrow =
+      attn::MultiHeadAttention<TestType>::from_state_dict(config, rounded_state<TestType>(config));
+  const auto wide = attn::MultiHeadAttention<float>::from_state_dict(
+      config, rounded_state<TestType, float>(config));
 
   std::mt19937 rng(17);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -447,20 +461,9 @@ TEMPLATE_TEST_CASE("a 16-bit MultiHeadAttention decodes token by token like its 
   // 16 bits once each either way, so the two may differ only where a float sum in another
   // order (decode or flash, GEMMs of other sizes) rounds to a neighbouring 16-bit value.
   using T = TestType;
-  const double eps = std::is_same_v<T, Eigen::half> ? 0x1p-10 : 0x1p-7;
-  attn::MultiHeadAttentionConfig config;
-  config.embed_dim = 32;
-  config.num_heads = 4;
-  config.num_kv_heads = 2;
-  config.seed = 9;
-  const attn::MultiHeadAttention<float> fresh(config);
-  attn::StateDict<T> state;
-  for (const auto& [name, tensor] : fresh.state_dict()) {
-    state[name].shape = tensor.shape;
-    for (const float value : tensor.data)
-      state[name].data.push_back(T(value));
-  }
-  const auto mha = attn::MultiHeadAttention<T>::from_state_dict(config, state);
+  const double eps = epsilon16<T>();
+  const attn::MultiHeadAttentionConfig config = small_gqa_config(9);
+  const auto mha = attn::MultiHeadAttention<T>::from_state_dict(config, rounded_state<T>(config));
   const Index batch = 2, length = 10, e = 32;
   std::mt19937 rng(23);
   std::normal_distribution<float> normal(0.0f, 1.0f);
