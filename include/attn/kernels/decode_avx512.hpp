@@ -120,6 +120,67 @@ inline void dot_rows(const float* q, Index q_stride, const S* k, Index k_stride,
     dot_block<Rb, 1>(q, q_stride, k + j * k_stride, k_stride, dim, s + j, s_stride);
 }
 
+/// The last `width` (< 16) columns of up to 64 rows of x, widened to float and zero-padded
+/// to 16 lanes: the tails go through one vector path whatever S is, so that 16-bit data
+/// gives the same bits as the same values in float (a scalar loop did not: GCC compiled it
+/// differently for the two types).
+template <class S>
+struct WidenedTails {
+  static constexpr Index max_rows = 64;
+  alignas(64) float lanes[max_rows][16];
+
+  void load(const S* x, Index x_stride, Index rows, Index width) {
+    for (Index j = 0; j < rows; ++j) {
+      for (Index c = 0; c < 16; ++c)
+        lanes[j][c] = c < width ? static_cast<float>(x[j * x_stride + c]) : 0.0f;
+    }
+  }
+};
+
+/// s[r, j] += q[r, 0:width) . k[j, 0:width) for r < rows, j < keys (width < 16).
+template <class S>
+inline void dot_tails(const float* q, Index q_stride, Index rows, const S* k, Index k_stride,
+                      Index keys, Index width, float* s, Index s_stride) {
+  const auto lanes = static_cast<__mmask16>((1u << static_cast<unsigned>(width)) - 1u);
+  WidenedTails<S> tails;
+  for (Index j0 = 0; j0 < keys; j0 += WidenedTails<S>::max_rows) {
+    const Index count = std::min(WidenedTails<S>::max_rows, keys - j0);
+    tails.load(k + j0 * k_stride, k_stride, count, width);
+    for (Index r = 0; r < rows; ++r) {
+      const __m512 query = _mm512_maskz_loadu_ps(lanes, q + r * q_stride);
+      for (Index j = 0; j < count; ++j) {
+        s[r * s_stride + j0 + j] +=
+            _mm512_reduce_add_ps(_mm512_mul_ps(query, _mm512_load_ps(tails.lanes[j])));
+      }
+    }
+  }
+}
+
+/// acc[r, 0:width) = alpha[r] acc[r, 0:width) + sum_j p[r, j] v[j, 0:width) (width < 16).
+template <class S>
+inline void weighted_sum_tails(const float* p, Index p_stride, Index rows, const S* v,
+                               Index v_stride, Index keys, Index width, const float* alpha,
+                               bool first, float* acc, Index acc_stride) {
+  const auto lanes = static_cast<__mmask16>((1u << static_cast<unsigned>(width)) - 1u);
+  WidenedTails<S> tails;
+  for (Index j0 = 0; j0 < keys; j0 += WidenedTails<S>::max_rows) {
+    const Index count = std::min(WidenedTails<S>::max_rows, keys - j0);
+    tails.load(v + j0 * v_stride, v_stride, count, width);
+    for (Index r = 0; r < rows; ++r) {
+      float* row = acc + r * acc_stride;
+      __m512 sum = _mm512_setzero_ps();
+      if (j0 > 0)
+        sum = _mm512_maskz_loadu_ps(lanes, row);
+      else if (!first)
+        sum = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, row), _mm512_set1_ps(alpha[r]));
+      for (Index j = 0; j < count; ++j)
+        sum = _mm512_fmadd_ps(_mm512_set1_ps(p[r * p_stride + j0 + j]),
+                              _mm512_load_ps(tails.lanes[j]), sum);
+      _mm512_mask_storeu_ps(row, lanes, sum);
+    }
+  }
+}
+
 /// s = q k^T: s[r, j] = q[r] . k[j] for r < rows, j < keys.
 template <class S>
 inline void decode_scores(const float* q, Index q_stride,                      // (rows, D)
@@ -147,16 +208,9 @@ inline void decode_scores(const float* q, Index q_stride,                      /
     default:
       break;
   }
-  if (vector_dim < dim) {  // the last dim % 16 dimensions, one at a time
-    for (Index i = 0; i < rows; ++i) {
-      for (Index j = 0; j < keys; ++j) {
-        float sum = 0;
-        for (Index d = vector_dim; d < dim; ++d)
-          sum += q[i * q_stride + d] * static_cast<float>(k[j * k_stride + d]);
-        s[i * s_stride + j] += sum;
-      }
-    }
-  }
+  if (vector_dim < dim)
+    dot_tails(q + vector_dim, q_stride, rows, k + vector_dim, k_stride, keys, dim - vector_dim, s,
+              s_stride);
 }
 
 /// acc[r, 0:16C) = alpha[r] acc[r, 0:16C) + sum_j p[r, j] v[j, 0:16C) for r < Rb (with
@@ -242,15 +296,9 @@ inline void decode_weighted_sum(const float* p, Index p_stride,          // (row
     default:
       break;
   }
-  if (vector_dim < value_dim) {  // the last Dv % 16 columns, one at a time
-    for (Index i = 0; i < rows; ++i) {
-      for (Index e = vector_dim; e < value_dim; ++e) {
-        float sum = first ? 0.0f : alpha[i] * acc[i * acc_stride + e];
-        for (Index j = 0; j < keys; ++j)
-          sum += p[i * p_stride + j] * static_cast<float>(v[j * v_stride + e]);
-        acc[i * acc_stride + e] = sum;
-      }
-    }
+  if (vector_dim < value_dim) {
+    weighted_sum_tails(p, p_stride, rows, v + vector_dim, v_stride, keys, value_dim - vector_dim,
+                       alpha, first, acc + vector_dim, acc_stride);
   }
 }
 
