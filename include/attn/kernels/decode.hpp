@@ -100,7 +100,7 @@ struct DecodeWorkspace {
 /// Whether decode_split runs the AVX-512 products (kernels/decode_avx512.hpp), which widen
 /// K and V in registers, instead of widening blocks into the workspace for Eigen's products.
 template <class T>
-inline constexpr bool uses_fused_decode_v = ATTN_HAS_AVX512_DECODE&& std::is_same_v<T, float>;
+inline constexpr bool uses_fused_decode_v = ATTN_HAS_AVX512_DECODE != 0 && std::is_same_v<T, float>;
 
 /// Rows [j0, j0 + rows) of one (L, cols) head of `x` as a T matrix: the memory itself when
 /// S == T, else converted into `buffer` (at least (rows, cols)).

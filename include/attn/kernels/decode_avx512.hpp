@@ -120,19 +120,31 @@ inline void dot_rows(const float* q, Index q_stride, const S* k, Index k_stride,
     dot_block<Rb, 1>(q, q_stride, k + j * k_stride, k_stride, dim, s + j, s_stride);
 }
 
-/// The last `width` (< 16) columns of up to 64 rows of x, widened to float and zero-padded
-/// to 16 lanes: the tails go through one vector path whatever S is, so that 16-bit data
-/// gives the same bits as the same values in float (a scalar loop did not: GCC compiled it
-/// differently for the two types).
+/// The first `width` (< 16) lanes of a vector.
+inline __mmask16 first_lanes(Index width) {
+  return static_cast<__mmask16>((1u << static_cast<unsigned>(width)) - 1u);
+}
+
+/// The last `width` (< 16) columns of rows of x, widened to float and zero-padded to 16
+/// lanes, 64 rows at a time: the tails go through one vector path whatever S is, so that
+/// 16-bit data gives the same bits as the same values in float (a scalar loop did not: GCC
+/// compiled it differently for the two types).
 template <class S>
 struct WidenedTails {
   static constexpr Index max_rows = 64;
   alignas(64) float lanes[max_rows][16];
 
-  void load(const S* x, Index x_stride, Index rows, Index width) {
-    for (Index j = 0; j < rows; ++j) {
-      for (Index c = 0; c < 16; ++c)
-        lanes[j][c] = c < width ? static_cast<float>(x[j * x_stride + c]) : 0.0f;
+  /// body(j0, count) for each chunk of rows [j0, j0 + count) of x (rows in all), with
+  /// lanes[j] holding row j0 + j.
+  template <class Body>
+  void for_each_chunk(const S* x, Index x_stride, Index rows, Index width, Body body) {
+    for (Index j0 = 0; j0 < rows; j0 += max_rows) {
+      const Index count = std::min(max_rows, rows - j0);
+      for (Index j = 0; j < count; ++j) {
+        for (Index c = 0; c < 16; ++c)
+          lanes[j][c] = c < width ? static_cast<float>(x[(j0 + j) * x_stride + c]) : 0.0f;
+      }
+      body(j0, count);
     }
   }
 };
@@ -141,19 +153,16 @@ struct WidenedTails {
 template <class S>
 inline void dot_tails(const float* q, Index q_stride, Index rows, const S* k, Index k_stride,
                       Index keys, Index width, float* s, Index s_stride) {
-  const auto lanes = static_cast<__mmask16>((1u << static_cast<unsigned>(width)) - 1u);
   WidenedTails<S> tails;
-  for (Index j0 = 0; j0 < keys; j0 += WidenedTails<S>::max_rows) {
-    const Index count = std::min(WidenedTails<S>::max_rows, keys - j0);
-    tails.load(k + j0 * k_stride, k_stride, count, width);
+  tails.for_each_chunk(k, k_stride, keys, width, [&](Index j0, Index count) {
     for (Index r = 0; r < rows; ++r) {
-      const __m512 query = _mm512_maskz_loadu_ps(lanes, q + r * q_stride);
+      const __m512 query = _mm512_maskz_loadu_ps(first_lanes(width), q + r * q_stride);
       for (Index j = 0; j < count; ++j) {
         s[r * s_stride + j0 + j] +=
             _mm512_reduce_add_ps(_mm512_mul_ps(query, _mm512_load_ps(tails.lanes[j])));
       }
     }
-  }
+  });
 }
 
 /// acc[r, 0:width) = alpha[r] acc[r, 0:width) + sum_j p[r, j] v[j, 0:width) (width < 16).
@@ -161,11 +170,9 @@ template <class S>
 inline void weighted_sum_tails(const float* p, Index p_stride, Index rows, const S* v,
                                Index v_stride, Index keys, Index width, const float* alpha,
                                bool first, float* acc, Index acc_stride) {
-  const auto lanes = static_cast<__mmask16>((1u << static_cast<unsigned>(width)) - 1u);
+  const __mmask16 lanes = first_lanes(width);
   WidenedTails<S> tails;
-  for (Index j0 = 0; j0 < keys; j0 += WidenedTails<S>::max_rows) {
-    const Index count = std::min(WidenedTails<S>::max_rows, keys - j0);
-    tails.load(v + j0 * v_stride, v_stride, count, width);
+  tails.for_each_chunk(v, v_stride, keys, width, [&](Index j0, Index count) {
     for (Index r = 0; r < rows; ++r) {
       float* row = acc + r * acc_stride;
       __m512 sum = _mm512_setzero_ps();
@@ -173,12 +180,13 @@ inline void weighted_sum_tails(const float* p, Index p_stride, Index rows, const
         sum = _mm512_maskz_loadu_ps(lanes, row);
       else if (!first)
         sum = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, row), _mm512_set1_ps(alpha[r]));
-      for (Index j = 0; j < count; ++j)
+      for (Index j = 0; j < count; ++j) {
         sum = _mm512_fmadd_ps(_mm512_set1_ps(p[r * p_stride + j0 + j]),
                               _mm512_load_ps(tails.lanes[j]), sum);
+      }
       _mm512_mask_storeu_ps(row, lanes, sum);
     }
-  }
+  });
 }
 
 /// s = q k^T: s[r, j] = q[r] . k[j] for r < rows, j < keys.
