@@ -41,16 +41,30 @@ using compute_scalar_t = std::conditional_t<is_16bit_scalar_v<S>, float, S>;
 
 namespace detail {
 
+#if defined(__AVX512F__)
+/// src[0:16) as 16 floats in a register: the widening of widen() below, and what the
+/// AVX-512 decode products use to widen K and V without a buffer.
+inline __m512 load_widened(const float* src) {
+  return _mm512_loadu_ps(src);
+}
+inline __m512 load_widened(const Eigen::half* src) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+/// bfloat16 is the upper half of a float's bits: widening is a 16-bit shift.
+inline __m512 load_widened(const Eigen::bfloat16* src) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
+
 /// dst[0:n) = src[0:n) widened to float. Eigen 3.4's cast<float>() of half converts one
 /// scalar at a time (about 1 ns per element here); the vector conversions below do 16 per
 /// instruction, which is what keeps 16-bit k/v within a few percent of float in flash.
 inline void widen(const Eigen::half* src, float* dst, Index n) {
   Index i = 0;
 #if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(bits));
-  }
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, load_widened(src + i));
 #elif defined(__F16C__)
   for (; i + 8 <= n; i += 8) {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
@@ -61,15 +75,12 @@ inline void widen(const Eigen::half* src, float* dst, Index n) {
     dst[i] = static_cast<float>(src[i]);
 }
 
-/// bfloat16 is the upper half of a float's bits: widening is a 16-bit shift.
+/// bfloat16 widened like half (the shift of load_widened, or of 8 lanes with AVX2).
 inline void widen(const Eigen::bfloat16* src, float* dst, Index n) {
   Index i = 0;
 #if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i,
-                     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
-  }
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, load_widened(src + i));
 #elif defined(__AVX2__)
   for (; i + 8 <= n; i += 8) {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));

@@ -32,21 +32,10 @@
 #include <Eigen/Core>
 
 #include "attn/config.hpp"
+#include "attn/precision.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn::detail::avx512 {
-
-/// src[0:16) as 16 floats.
-inline __m512 load_widened(const float* src) {
-  return _mm512_loadu_ps(src);
-}
-inline __m512 load_widened(const Eigen::half* src) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-}
-inline __m512 load_widened(const Eigen::bfloat16* src) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
 
 /// Rows this far ahead of the one being read are requested from memory (_MM_HINT_T0).
 /// Blocks of K and V alternate and a 256-byte row crosses a page every 16 rows, and the
