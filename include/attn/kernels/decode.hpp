@@ -108,7 +108,7 @@ template <class T, class S>
 Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> block_as(const HeadsView<const S>& x, Index b,
                                                               Index h, Index j0, Index rows,
                                                               Matrix<T>& buffer) {
-  const S* first = x.data + b * x.batch_stride + h * x.head_stride + j0 * x.row_stride;
+  const S* first = x.head(b, h).row(j0).data();
   if constexpr (std::is_same_v<S, T>) {
     return {first, rows, x.dim, Eigen::OuterStride<>(x.row_stride)};
   } else {
@@ -143,9 +143,6 @@ void decode_split(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
   constexpr bool fused = uses_fused_decode_v<T>;
   const Index group = q.heads / k.heads, q_length = q.length, rows = group * q_length;
   const Index value_dim = v.dim;
-  [[maybe_unused]] const auto block_start = [b, kv_head](const HeadsView<const S>& x, Index j) {
-    return x.data + b * x.batch_stride + kv_head * x.head_stride + j * x.row_stride;
-  };
   Eigen::Map<Vector<T>> m(partial, rows), l(partial + rows, rows);
   Eigen::Map<Matrix<T>> acc(partial + 2 * rows, rows, value_dim);
   m.setConstant(minus_inf);
@@ -170,8 +167,8 @@ void decode_split(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
                                                      Eigen::OuterStride<>(workspace.s.cols()));
     if constexpr (fused) {
 #if ATTN_HAS_AVX512_DECODE
-      avx512::decode_scores(q_tile.data(), q.dim, rows, block_start(k, c0), k.row_stride, cols,
-                            q.dim, s.data(), s.outerStride());
+      avx512::decode_scores(q_tile.data(), q.dim, rows, k.head(b, kv_head).row(c0).data(),
+                            k.row_stride, cols, q.dim, s.data(), s.outerStride());
 #endif
     } else {
       const auto k_block = block_as<T>(k, b, kv_head, c0, cols, workspace.k);
@@ -190,9 +187,9 @@ void decode_split(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
       workspace.alpha(r) = online_softmax_step(s.row(r).data(), cols, m(r), l(r));
     if constexpr (fused) {
 #if ATTN_HAS_AVX512_DECODE
-      avx512::decode_weighted_sum(s.data(), s.outerStride(), rows, block_start(v, c0), v.row_stride,
-                                  cols, value_dim, workspace.alpha.data(), first_block, acc.data(),
-                                  value_dim);
+      avx512::decode_weighted_sum(s.data(), s.outerStride(), rows,
+                                  v.head(b, kv_head).row(c0).data(), v.row_stride, cols, value_dim,
+                                  workspace.alpha.data(), first_block, acc.data(), value_dim);
 #endif
       first_block = false;
       continue;
