@@ -7,17 +7,18 @@
 //
 //   qt       (D, Bq')    scale * q tile^T, Bq' = Bq rounded up to 16 (padding columns 0)
 //   st       (Bk, Bq')   scores^T, then probabilities^T, of one key tile
-//   o        (Bq', Dv)   unnormalised output, rescaled in place
+//   ot       (Dv, Bq')   unnormalised output^T, rescaled in place
 //   m, l     (Bq')       running max and running sum of each query
 //   k tile   (Bk, D)     read in place through the strided head view, not transposed,
 //                        not packed: each k[j, d] is broadcast from memory
-//   v tile   (Bk, Dv)    read in place: rows of v are the vector operand of o += p v, 64
-//                        keys at a time (they stay in L1 while all of o passes over them)
+//   v tile   (Bk, Dv)    read in place, the same way: each v[j, e] is broadcast
 //
-// Why the scores are transposed: st = k qt is then a product whose vector operand is a row
-// of qt (16 queries) and whose scalar operand is one element of a k row, so k needs no
-// packing; the online softmax reduces over keys, i.e. down the columns of st, an elementwise
-// max/add of 16-query vectors; and p v reads p^T's rows as broadcast scalars.
+// Why everything is transposed (queries along the vector lanes): st = k qt and
+// ot += v^T st are then products whose vector operand is a row of qt or st (16 queries) and
+// whose scalar operand is one element of a k or v row, so neither k nor v is packed or
+// transposed; the online softmax reduces over keys, i.e. down the columns of st, an
+// elementwise max/add of 16-query vectors; and the rescale of ot by alpha is a product of
+// 16-query vectors. Only the last step, out = ot^T / l, transposes, once per query tile.
 //
 // Extra memory per thread: Bq' * (D + Bk + Dv + 4) floats, plus Bk * (D + Dv) when k and v are
 // stored in 16 bits; independent of Lq and Lk.
@@ -55,7 +56,7 @@ inline constexpr Index lanes = 16;  // floats per __m512
 struct FlashWorkspace {
   Matrix<float> qt;                          // (D, Bq')
   Matrix<float> st;                          // (Bk, Bq')
-  Matrix<float> o;                           // (Bq', Dv)
+  Matrix<float> ot;                          // (Dv, Bq')
   Vector<float> m;                           // (Bq')
   Vector<float> l;                           // (Bq')
   Vector<float> alpha;                       // (Bq')
@@ -75,7 +76,7 @@ struct FlashWorkspace {
     const Index width = padded(query_tile);
     qt.resize(dim, width);
     st.resize(key_tile, width);
-    o.resize(width, value_dim);
+    ot.resize(value_dim, width);
     m.resize(width);
     l.resize(width);
     alpha.resize(width);
@@ -87,26 +88,25 @@ struct FlashWorkspace {
 
 /// exp(x - shift) for x <= shift (or NaN). With d = x - shift (exact when x is near shift, so
 /// large logits lose nothing), n = round(d log2(e)) and r = d - n ln(2) in two parts
-/// (Cody-Waite, so r is exact to float precision), exp(d) = 2^n * p(r), p the degree-7
-/// Taylor polynomial of exp on |r| <= ln(2)/2 (truncation error < 6e-9). Arguments below
-/// -104 (and -inf) give exactly 0; NaN stays NaN.
+/// (Cody-Waite, so r is exact to float precision), exp(d) = 2^n * p(r), p the degree-6
+/// minimax polynomial of exp on |r| <= ln(2)/2 (relative error 1.9e-9). d is clamped at -110,
+/// where exp is below half the smallest subnormal, so -inf (and anything below) gives exactly
+/// 0 without a compare and blend; 13 vector operations per 16 scores.
 inline __m512 exp_shifted(__m512 x, __m512 shift) {
-  const __m512 d = _mm512_sub_ps(x, shift);
+  // max returns its second operand when either is NaN, so NaN stays NaN
+  const __m512 d = _mm512_max_ps(_mm512_set1_ps(-110.0f), _mm512_sub_ps(x, shift));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), d);  // ln 2, high part: exact
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);      // ln 2, low part
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  __m512 p = _mm512_set1_ps(1.383683993e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.374815807e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166822508e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.666641980e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.999999106e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512 e = _mm512_scalef_ps(p, n);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_LT_OQ);
-  return _mm512_mask_blend_ps(underflow, e, _mm512_setzero_ps());
+  return _mm512_scalef_ps(p, n);
 }
 
 /// qt[d, 0:rows] = scale * q[0:rows, d]: the query tile transposed, 16 rows per gather.
@@ -133,6 +133,15 @@ inline void pack_queries_transposed(const float* q, Index q_stride,  // (rows, D
   }
 }
 
+/// The elementwise max of x[0], ..., x[N - 1], as a balanced tree (depth log2 N).
+template <std::size_t N>
+inline __m512 max_tree(const __m512* x) {
+  if constexpr (N == 1)
+    return x[0];
+  else
+    return _mm512_max_ps(max_tree<N / 2>(x), max_tree<N - N / 2>(x + N / 2));
+}
+
 /// st[r, 0:16C] = sum_d k[r, d] * qt[d, 0:16C] for r < R: an (R x 16C) register block.
 /// With `column_max`, also column_max[0:16C] = max(column_max, max_r st[r, 0:16C]) while the
 /// block is still in registers (NaN scores may or may not enter the max: they reach the
@@ -149,6 +158,9 @@ inline void scores_block(const float* k, Index k_stride,    // (R, D) rows of k
     for (std::size_t c = 0; c < C; ++c)
       acc[r][c] = _mm512_setzero_ps();
   }
+  // unrolled: at D = 64 a call is only ~800 cycles, so its loop overhead and exit count
+  // (2-5% faster in interleaved runs; the exit of a 16-trip loop is more likely predicted)
+#pragma GCC unroll 4
   for (Index d = 0; d < dim; ++d) {
     __m512 q[C];
 #pragma GCC unroll 4
@@ -172,77 +184,83 @@ inline void scores_block(const float* k, Index k_stride,    // (R, D) rows of k
   if (column_max != nullptr) {
 #pragma GCC unroll 4
     for (std::size_t c = 0; c < C; ++c) {
-      __m512 block_max = acc[0][c];
+      // a tree, not a chain: R - 1 dependent maxes (4 cycles each) are a large share of a
+      // call at D = 64 (this product alone, W = 96: 183 -> 220 GFLOP/s)
+      __m512 column[R];
 #pragma GCC unroll 16
-      for (std::size_t r = 1; r < R; ++r)
-        block_max = _mm512_max_ps(acc[r][c], block_max);
+      for (std::size_t r = 0; r < R; ++r)
+        column[r] = acc[r][c];
+      const __m512 block_max = max_tree<R>(column);
       float* running = column_max + lanes * static_cast<Index>(c);
       _mm512_storeu_ps(running, _mm512_max_ps(block_max, _mm512_loadu_ps(running)));
     }
   }
 }
 
-/// o[r, 0:16C] = alpha[r] * o[r, 0:16C] + sum_j pt[j, r] * v[j, 0:16C] for r < R, an
-/// (R x 16C) register block; `tail` masks the lanes of the last vector that exist. With
-/// `first`, the old o is neither read nor rescaled (it may be uninitialised); with alpha
-/// null, it is accumulated into as it is.
+/// ot[e, 0:16C] = alpha[0:16C] * ot[e, 0:16C] + sum_j v[j, e] * pt[j, 0:16C] for e < R: an
+/// (R x 16C) register block of the transposed output. With `first`, the old ot is neither
+/// read nor rescaled (it may be uninitialised); with alpha null, it is accumulated into as it
+/// is.
 template <std::size_t R, std::size_t C>
-inline void values_block(const float* pt, Index pt_stride,  // (Bk, R) columns of st
-                         const float* v, Index v_stride,    // (Bk, 16C) columns of v
-                         Index keys, __mmask16 tail,
-                         const float* alpha,                      // (R)
-                         bool first, float* o, Index o_stride) {  // (R, 16C) block of o
-  const auto load = [tail](std::size_t c, const float* from) {
-    return c + 1 == C ? _mm512_maskz_loadu_ps(tail, from) : _mm512_loadu_ps(from);
-  };
+inline void values_block(const float* pt, Index pt_stride,          // (keys, 16C) block of st
+                         const float* v, Index v_stride,            // (keys, R) block of v
+                         Index keys, const float* alpha,            // (16C) or null
+                         bool first, float* ot, Index ot_stride) {  // (R, 16C) block of ot
   __m512 acc[R][C];
-#pragma GCC unroll 8
-  for (std::size_t r = 0; r < R; ++r) {
+  if (first) {
+#pragma GCC unroll 16
+    for (std::size_t r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (std::size_t c = 0; c < C; ++c)
+        acc[r][c] = _mm512_setzero_ps();
+    }
+  } else {
+    __m512 rescale[C];
 #pragma GCC unroll 4
     for (std::size_t c = 0; c < C; ++c) {
-      if (first) {
-        acc[r][c] = _mm512_setzero_ps();
-      } else {
-        acc[r][c] = load(c, o + static_cast<Index>(r) * o_stride + lanes * static_cast<Index>(c));
-        if (alpha != nullptr)
-          acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(alpha[r]));
+      rescale[c] = alpha != nullptr ? _mm512_loadu_ps(alpha + lanes * static_cast<Index>(c))
+                                    : _mm512_set1_ps(1.0f);
+    }
+#pragma GCC unroll 16
+    for (std::size_t r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (std::size_t c = 0; c < C; ++c) {
+        const float* from = ot + static_cast<Index>(r) * ot_stride + lanes * static_cast<Index>(c);
+        acc[r][c] = _mm512_mul_ps(rescale[c], _mm512_loadu_ps(from));
       }
     }
   }
+#pragma GCC unroll 4  // as in scores_block
   for (Index j = 0; j < keys; ++j) {
-    __m512 value[C];
+    __m512 p[C];
 #pragma GCC unroll 4
     for (std::size_t c = 0; c < C; ++c)
-      value[c] = load(c, v + j * v_stride + lanes * static_cast<Index>(c));
-#pragma GCC unroll 8
+      p[c] = _mm512_loadu_ps(pt + j * pt_stride + lanes * static_cast<Index>(c));
+#pragma GCC unroll 16
     for (std::size_t r = 0; r < R; ++r) {
-      const __m512 p = _mm512_set1_ps(pt[j * pt_stride + static_cast<Index>(r)]);
+      const __m512 value = _mm512_set1_ps(v[j * v_stride + static_cast<Index>(r)]);
 #pragma GCC unroll 4
       for (std::size_t c = 0; c < C; ++c)
-        acc[r][c] = _mm512_fmadd_ps(p, value[c], acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(value, p[c], acc[r][c]);
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (std::size_t r = 0; r < R; ++r) {
 #pragma GCC unroll 4
     for (std::size_t c = 0; c < C; ++c) {
-      float* to = o + static_cast<Index>(r) * o_stride + lanes * static_cast<Index>(c);
-      if (c + 1 == C)
-        _mm512_mask_storeu_ps(to, tail, acc[r][c]);
-      else
-        _mm512_storeu_ps(to, acc[r][c]);
+      _mm512_storeu_ps(ot + static_cast<Index>(r) * ot_stride + lanes * static_cast<Index>(c),
+                       acc[r][c]);
     }
   }
 }
 
-// Register blocks: scores (12 keys x 32 queries), values (6 queries x 64 value dims): 24
+// Register blocks: scores (12 keys x 32 queries), values (8 value dims x 48 queries): 24
 // accumulators of the 32 zmm registers each; remainders use smaller blocks.
 inline constexpr Index score_rows = 12;
-inline constexpr Index value_rows = 6;
-inline constexpr Index value_vectors = 4;
-/// Keys per pass of o += p v over all the row blocks of o: 64 rows of v (16 KiB at Dv = 64)
-/// stay in L1 while o's row blocks pass over them (64, 128 and whole 256-key tiles measured
-/// on a quiet machine: 64 best, +7% at D = 128 over whole tiles).
+inline constexpr Index value_rows = 8;
+inline constexpr Index value_vectors = 3;
+/// Keys per pass of ot += v^T p over all the blocks of ot: the chunk of st (24 KiB for 96
+/// queries) and of v (16 KiB at Dv = 64) stay in L1 while ot's blocks pass over them.
 inline constexpr Index value_keys = 64;
 
 template <std::size_t C>
@@ -272,18 +290,20 @@ inline void scores_rows(Index rows, const float* k, Index k_stride, const float*
 
 template <std::size_t C>
 inline void values_rows(Index rows, const float* pt, Index pt_stride, const float* v,
-                        Index v_stride, Index keys, __mmask16 tail, const float* alpha, bool first,
-                        float* o, Index o_stride) {
+                        Index v_stride, Index keys, const float* alpha, bool first, float* ot,
+                        Index ot_stride) {
   switch (rows) {
 #define ATTN_VALUES_CASE(R) \
   case R:                   \
-    return values_block<R, C>(pt, pt_stride, v, v_stride, keys, tail, alpha, first, o, o_stride);
+    return values_block<R, C>(pt, pt_stride, v, v_stride, keys, alpha, first, ot, ot_stride);
     ATTN_VALUES_CASE(1)
     ATTN_VALUES_CASE(2)
     ATTN_VALUES_CASE(3)
     ATTN_VALUES_CASE(4)
     ATTN_VALUES_CASE(5)
     ATTN_VALUES_CASE(6)
+    ATTN_VALUES_CASE(7)
+    ATTN_VALUES_CASE(8)
 #undef ATTN_VALUES_CASE
     default:
       ATTN_ASSERT(false);
@@ -368,8 +388,8 @@ inline void softmax_update(float* st, Index st_stride, Index keys,              
 ///                                                      needs no mask)
 ///             otherwise mask st, then its column maxima
 ///             online softmax down the columns of st   (16 queries per vector)
-///             o = alpha o + st^T v[j0:j1]             (6 x 64 register blocks)
-///   pass 3: out = o / l (zeros when l = 0), logsumexp = m + log l
+///             ot = alpha ot + v[j0:j1]^T st           (8 x 48 register blocks)
+///   pass 3: out = ot^T / l (zeros when l = 0), logsumexp = m + log l
 template <class S = float>
 void flash_attention_tile(const HeadMatrix<const float>& q,  // (rows, D)  queries i0 ..
                           const HeadMatrix<const S>& k,      // (Lk, D)    the whole head
@@ -384,7 +404,8 @@ void flash_attention_tile(const HeadMatrix<const float>& q,  // (rows, D)  queri
   const Index width = FlashWorkspace::padded(rows);
   const Index dim = q.cols(), value_dim = v.cols();
   const Index stride = workspace.qt.cols();  // row stride of qt and st
-  ATTN_ASSERT(rows > 0 && width <= stride && key_tile <= workspace.st.rows());
+  ATTN_ASSERT(rows > 0 && width <= stride && key_tile <= workspace.st.rows() &&
+              workspace.ot.cols() == stride);
 
   const auto [keys_first, keys_last] = mask.key_range(b, i0, i1);
   float* m = workspace.m.data();
@@ -403,8 +424,7 @@ void flash_attention_tile(const HeadMatrix<const float>& q,  // (rows, D)  queri
       std::fill(qt + d * stride + rows, qt + d * stride + width, 0.0f);
 
     float* st = workspace.st.data();
-    float* o = workspace.o.data();
-    const Index o_stride = workspace.o.cols();
+    float* ot = workspace.ot.data();
     for (Index j0 = keys_first; j0 < keys_last; j0 += key_tile) {  // pass 2
       const Index j1 = std::min(j0 + key_tile, keys_last);
       const Index cols = j1 - j0;
@@ -454,42 +474,29 @@ void flash_attention_tile(const HeadMatrix<const float>& q,  // (rows, D)  queri
         softmax_update(st + c0, stride, cols, _mm512_loadu_ps(tile_max + c0), m + c0, l + c0,
                        alpha + c0);
       }
-      // o = alpha o + st^T v, in chunks of value_keys keys, so that the chunk of v stays in
-      // L1 while every row block of o passes over it; the first chunk rescales o.
+      // ot = alpha ot + v^T st, in chunks of value_keys keys, so that the chunks of st and v
+      // stay in L1 while every block of ot passes over them; the first chunk rescales ot.
       for (Index c0 = 0; c0 < cols; c0 += value_keys) {
         const Index chunk = std::min(value_keys, cols - c0);
         const bool first = first_tile && c0 == 0;
+        const float* pt = st + c0 * stride;
         const float* v_rows = v_tile.row(c0).data();
-        for (Index e = 0; e < value_dim; e += lanes * value_vectors) {
-          const Index remaining = value_dim - e;
-          const Index vectors = std::min(value_vectors, (remaining + lanes - 1) / lanes);
-          const Index last_lanes = remaining - (vectors - 1) * lanes;  // lanes of the last one
-          const auto tail = static_cast<__mmask16>(
-              last_lanes >= lanes ? 0xFFFFu : (1u << static_cast<unsigned>(last_lanes)) - 1u);
-          for (Index r = 0; r < rows; r += value_rows) {
-            const Index block_rows = std::min(value_rows, rows - r);
-            const float* pt = st + c0 * stride + r;
-            const float* v_cols = v_rows + e;
-            const float* rescale = c0 == 0 ? alpha + r : nullptr;
-            float* o_block = o + r * o_stride + e;
-            switch (vectors) {
-              case 1:
-                values_rows<1>(block_rows, pt, stride, v_cols, v_tile.outerStride(), chunk, tail,
-                               rescale, first, o_block, o_stride);
-                break;
-              case 2:
-                values_rows<2>(block_rows, pt, stride, v_cols, v_tile.outerStride(), chunk, tail,
-                               rescale, first, o_block, o_stride);
-                break;
-              case 3:
-                values_rows<3>(block_rows, pt, stride, v_cols, v_tile.outerStride(), chunk, tail,
-                               rescale, first, o_block, o_stride);
-                break;
-              default:
-                values_rows<4>(block_rows, pt, stride, v_cols, v_tile.outerStride(), chunk, tail,
-                               rescale, first, o_block, o_stride);
-                break;
-            }
+        for (Index q0 = 0; q0 < width; q0 += lanes * value_vectors) {
+          const Index vectors = std::min(value_vectors, (width - q0) / lanes);
+          const float* rescale = c0 == 0 ? alpha + q0 : nullptr;
+          for (Index e = 0; e < value_dim; e += value_rows) {
+            const Index block_rows = std::min(value_rows, value_dim - e);
+            const auto block = [&](auto vectors_constant) {
+              values_rows<decltype(vectors_constant)::value>(
+                  block_rows, pt + q0, stride, v_rows + e, v_tile.outerStride(), chunk, rescale,
+                  first, ot + e * stride + q0, stride);
+            };
+            if (vectors == 3)
+              block(std::integral_constant<std::size_t, 3>{});
+            else if (vectors == 2)
+              block(std::integral_constant<std::size_t, 2>{});
+            else
+              block(std::integral_constant<std::size_t, 1>{});
           }
         }
       }
@@ -498,8 +505,7 @@ void flash_attention_tile(const HeadMatrix<const float>& q,  // (rows, D)  queri
   }
 
   // pass 3
-  const float* o = workspace.o.data();
-  const Index o_stride = workspace.o.cols();
+  const float* ot = workspace.ot.data();
   for (Index r = 0; r < rows; ++r) {
     auto out_row = out.row(r);
     if (first_tile || l[r] == 0.0f) {  // the row sees no key: zeros, lse -inf
@@ -507,7 +513,10 @@ void flash_attention_tile(const HeadMatrix<const float>& q,  // (rows, D)  queri
       if (logsumexp != nullptr)
         logsumexp[r] = minus_inf;
     } else {
-      out_row = Eigen::Map<const Eigen::RowVectorXf>(o + r * o_stride, value_dim) * (1.0f / l[r]);
+      out_row = Eigen::Map<const Eigen::VectorXf, 0, Eigen::InnerStride<>>(
+                    ot + r, value_dim, Eigen::InnerStride<>(stride))
+                    .transpose() *
+                (1.0f / l[r]);
       if (logsumexp != nullptr)
         logsumexp[r] = m[r] + std::log(l[r]);
     }
