@@ -89,12 +89,15 @@ struct FlashWorkspace {
 /// exp(x - shift) for x <= shift (or NaN). With d = x - shift (exact when x is near shift, so
 /// large logits lose nothing), n = round(d log2(e)) and r = d - n ln(2) in two parts
 /// (Cody-Waite, so r is exact to float precision), exp(d) = 2^n * p(r), p the degree-6
-/// minimax polynomial of exp on |r| <= ln(2)/2 (relative error 1.9e-9). d is clamped at -110,
-/// where exp is below half the smallest subnormal, so -inf (and anything below) gives exactly
-/// 0 without a compare and blend; 13 vector operations per 16 scores.
+/// minimax polynomial of exp on |r| <= ln(2)/2 (relative error 1.9e-9); 13 vector operations
+/// per 16 scores. Results below the smallest normal float are flushed to exactly 0 (d < -87,
+/// and -inf): producing a subnormal or an underflow costs a microcode assist of about 150
+/// cycles per vector on Intel cores, which made causal flash 11% slower, and a probability
+/// below 1.2e-38 beside the row's maximum of 1 changes nothing. NaN stays NaN.
 inline __m512 exp_shifted(__m512 x, __m512 shift) {
-  // max returns its second operand when either is NaN, so NaN stays NaN
-  const __m512 d = _mm512_max_ps(_mm512_set1_ps(-110.0f), _mm512_sub_ps(x, shift));
+  const __m512 d = _mm512_sub_ps(x, shift);
+  // "not less than" is true for NaN, so NaN is kept; -inf (a hidden key) is not
+  const __mmask16 normal = _mm512_cmp_ps_mask(d, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), d);  // ln 2, high part: exact
@@ -106,7 +109,7 @@ inline __m512 exp_shifted(__m512 x, __m512 shift) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.999999106e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(normal, p, n);  // masked-off lanes neither compute nor assist
 }
 
 /// qt[d, 0:rows] = scale * q[0:rows, d]: the query tile transposed, 16 rows per gather.
@@ -311,20 +314,28 @@ inline void values_rows(Index rows, const float* pt, Index pt_stride, const floa
 }
 
 /// st[j, r] = -inf for every key j outside [lo[r], hi[r]) (tile-relative): the causal
-/// limit, the window and the key length, 16 queries per vector.
+/// limit, the window and the key length, 16 queries per vector; and tile_max[0:width] = the
+/// column maxima of the result, in the same pass (one pass over st instead of two: causal
+/// flash 1-4% faster in interleaved runs).
 inline void hide_outside_intervals(float* st, Index st_stride, Index keys,  // (keys, width)
                                    Index width, const std::int32_t* lo,
-                                   const std::int32_t* hi) {  // (width) each
+                                   const std::int32_t* hi,  // (width) each
+                                   float* tile_max) {       // (width)
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (Index c0 = 0; c0 < width; c0 += lanes) {
     const __m512i first = _mm512_loadu_si512(lo + c0);
     const __m512i last = _mm512_loadu_si512(hi + c0);
+    __m512 m[2] = {minus_inf, minus_inf};  // two chains, so that the max latency overlaps
     for (Index j = 0; j < keys; ++j) {
       const __m512i key = _mm512_set1_epi32(static_cast<std::int32_t>(j));
       const __mmask16 hidden = static_cast<__mmask16>(_mm512_cmplt_epi32_mask(key, first) |
                                                       _mm512_cmpge_epi32_mask(key, last));
-      _mm512_mask_storeu_ps(st + j * st_stride + c0, hidden, minus_inf);
+      float* at = st + j * st_stride + c0;
+      const __m512 score = _mm512_mask_mov_ps(_mm512_loadu_ps(at), hidden, minus_inf);
+      _mm512_storeu_ps(at, score);
+      m[j & 1] = _mm512_max_ps(score, m[j & 1]);
     }
+    _mm512_storeu_ps(tile_max + c0, _mm512_max_ps(m[0], m[1]));
   }
 }
 
@@ -456,6 +467,8 @@ void flash_attention_tile(const HeadMatrix<const float>& q,  // (rows, D)  queri
           Eigen::Map<Eigen::MatrixXf, 0, Eigen::OuterStride<>> scores(st, rows, cols,
                                                                       Eigen::OuterStride<>(stride));
           mask.apply(b, h, i0, j0, scores);
+          for (Index c0 = 0; c0 < width; c0 += lanes)
+            _mm512_storeu_ps(tile_max + c0, column_maxima(st + c0, stride, cols));
         } else {  // only intervals: vectorised (the diagonal tiles of a causal mask)
           std::int32_t* lo = workspace.key_lo.data();
           std::int32_t* hi = workspace.key_hi.data();
@@ -465,10 +478,8 @@ void flash_attention_tile(const HeadMatrix<const float>& q,  // (rows, D)  queri
             lo[r] = static_cast<std::int32_t>(std::clamp(first - j0, Index(0), cols));
             hi[r] = static_cast<std::int32_t>(std::clamp(last - j0, Index(0), cols));
           }
-          hide_outside_intervals(st, stride, cols, width, lo, hi);
+          hide_outside_intervals(st, stride, cols, width, lo, hi, tile_max);
         }
-        for (Index c0 = 0; c0 < width; c0 += lanes)
-          _mm512_storeu_ps(tile_max + c0, column_maxima(st + c0, stride, cols));
       }
       for (Index c0 = 0; c0 < width; c0 += lanes) {
         softmax_update(st + c0, stride, cols, _mm512_loadu_ps(tile_max + c0), m + c0, l + c0,
