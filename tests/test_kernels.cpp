@@ -333,6 +333,16 @@ TEMPLATE_TEST_CASE("flash handles empty problems and NaN like naive", "[kernels]
   for (Index n = 0; n < out.size(); ++n)
     REQUIRE(out.data()[n] == T(0));
   REQUIRE(lse(0, 0, 4) == -std::numeric_limits<T>::infinity());
+  // Dv = 0: an empty output, and the log-sum-exp of two zero scores, log 2 (the AVX-512
+  // kernel once did pointer arithmetic on its empty output workspace here: found by the fuzzer).
+  attn::Tensor<T, 4> k2(1, 1, 2, 4), v_empty(1, 1, 2, 0);
+  k2.setZero();
+  const attn::Tensor<T, 4> empty =
+      attn::scaled_dot_product_attention(q1, k2, v_empty, options, nullptr, &lse);
+  REQUIRE(empty.size() == 0);
+  for (Index i = 0; i < 5; ++i)
+    REQUIRE_THAT(static_cast<double>(lse(0, 0, i)),
+                 Catch::Matchers::WithinAbs(std::log(2.0), 1e-6));
   // NaN in a query row reaches only that row; NaN in a key reaches the rows that see it.
   const T nan = std::numeric_limits<T>::quiet_NaN();
   attn::Matrix<T> q = attn::Matrix<T>::Random(7, 8), k = attn::Matrix<T>::Random(9, 8),
@@ -349,9 +359,10 @@ TEMPLATE_TEST_CASE("flash handles empty problems and NaN like naive", "[kernels]
 }
 
 #if ATTN_HAS_AVX512_FLASH
-TEST_CASE("the AVX-512 flash kernel's exp is accurate down to the smallest normal float, "
-          "exactly 0 below it and at -inf, and keeps NaN",
-          "[kernels]") {
+TEST_CASE(
+    "the AVX-512 flash kernel's exp is accurate down to the smallest normal float, "
+    "exactly 0 below it and at -inf, and keeps NaN",
+    "[kernels]") {
   using attn::detail::avx512::exp_shifted;
   const auto exp16 = [](float x, float shift) {
     alignas(64) float lanes[16];

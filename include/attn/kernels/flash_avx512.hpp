@@ -524,10 +524,9 @@ void flash_attention_tile(const HeadMatrix<const float>& q,  // (rows, D)  queri
       if (logsumexp != nullptr)
         logsumexp[r] = minus_inf;
     } else {
-      out_row = Eigen::Map<const Eigen::VectorXf, 0, Eigen::InnerStride<>>(
-                    ot + r, value_dim, Eigen::InnerStride<>(stride))
-                    .transpose() *
-                (1.0f / l[r]);
+      const float inverse = 1.0f / l[r];
+      for (Index e = 0; e < value_dim; ++e)  // column r of ot (ot is empty when Dv = 0)
+        out_row(e) = ot[e * stride + r] * inverse;
       if (logsumexp != nullptr)
         logsumexp[r] = m[r] + std::log(l[r]);
     }
