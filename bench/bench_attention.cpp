@@ -1,5 +1,5 @@
-// Benchmarks of attention: naive, chunked, flash (and flash_portable, the Eigen-tile flash
-// kernel that runs where AVX-512 is not compiled in; flash_kv_half and flash_kv_bfloat16,
+// Benchmarks of attention: naive, chunked, flash (and flash_isa, flash with each instruction
+// set's products forced; flash_kv_half and flash_kv_bfloat16,
 // flash against 16-bit keys and values) and linear attention, beside Eigen's
 // plain GEMM at the same (Lq x D) x (D x Lk) shape and the FMA peak probe (common.hpp), all in one
 // binary so that every figure can be read as a fraction of this machine's measured peak.
@@ -23,6 +23,7 @@
 #include <vector>
 
 #include <attn/attention.hpp>
+#include <attn/cpu.hpp>
 #include <attn/linear_attention.hpp>
 
 #include "common.hpp"
@@ -84,10 +85,11 @@ void time_runs(benchmark::State& state, const Run& run, const Inputs& inputs, do
   set_threads(1);
 }
 
-void BM_sdpa(benchmark::State& state, attn::Algorithm algorithm) {
-  const Index length = state.range(0), dim = state.range(1);
-  const bool causal = state.range(2) != 0;
-  const int threads = static_cast<int>(state.range(3));
+/// Arguments from state.range(first): L, D, causal, threads.
+void BM_sdpa(benchmark::State& state, attn::Algorithm algorithm, std::size_t first = 0) {
+  const Index length = state.range(first), dim = state.range(first + 1);
+  const bool causal = state.range(first + 2) != 0;
+  const int threads = static_cast<int>(state.range(first + 3));
   set_threads(threads);
   Inputs inputs(length, dim);
   // Validate against naive once before timing.
@@ -146,54 +148,18 @@ void BM_flash_kv16(benchmark::State& state) {
   time_runs(state, run, inputs, attention_flops(length, dim, causal));
 }
 
-// The portable flash kernel (kernels/flash.hpp: Eigen GEMMs on tiles), which is what float
-// runs without AVX-512 and what double always runs; driven like the library drives it, with
-// the default tiles, so that its ratio to "flash" shows what the AVX-512 kernel brings.
-void BM_flash_portable(benchmark::State& state) {
-  const Index length = state.range(0), dim = state.range(1);
-  const bool causal = state.range(2) != 0;
-  const int threads = static_cast<int>(state.range(3));
-  set_threads(threads);
-  Inputs inputs(length, dim);
-  const attn::Mask<float> mask("flash_portable", 1, kHeads, length, length,
-                               causal ? attn::Causal::top_left : attn::Causal::none, {}, {}, {},
-                               {});
-  const Index query_tile = std::min(attn::default_query_tile, length);
-  const Index key_tile = std::min(attn::default_key_tile, length);
-  const Index tiles = (length + query_tile - 1) / query_tile;
-  const auto q = inputs.view(inputs.q), k = inputs.view(inputs.k), v = inputs.view(inputs.v);
-  const auto out = attn::bhld_view(inputs.out.data(), Index(1), kHeads, length, dim);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
-  const auto run = [&] {
-#if ATTN_HAS_OPENMP
-#pragma omp parallel num_threads(threads)
-#endif
-    {
-      attn::detail::FlashWorkspace<float> workspace;
-      workspace.reserve(query_tile, key_tile, dim, dim);
-#if ATTN_HAS_OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-      for (Index item = 0; item < kHeads * tiles; ++item) {
-        const Index h = item / tiles, tile = tiles - 1 - item % tiles;
-        const Index i0 = tile * query_tile, rows = std::min(query_tile, length - i0);
-        attn::detail::flash_attention_tile<float>(attn::middle_rows(q.head(0, h), i0, rows),
-                                                  k.head(0, h), v.head(0, h),
-                                                  attn::middle_rows(out.head(0, h), i0, rows), mask,
-                                                  0, h, scale, i0, key_tile, workspace, nullptr);
-      }
-    }
-  };
-  std::vector<float> reference(inputs.out.size());
-  inputs.run(attn::Algorithm::naive, causal, reference);
-  run();
-  const float worst =
-      attn_bench::max_abs_diff(reference.data(), inputs.out.data(), reference.size());
-  if (!(worst < 1e-4f)) {
-    state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
+// Flash with the products of one instruction set forced (attn/cpu.hpp), so that every
+// kernel this CPU can run is measured in the same binary and the same run: "flash" is the
+// automatic choice, "flash_isa/isa:<n>" the kernel of attn::all_isas[n].
+void BM_flash_isa(benchmark::State& state) {
+  const attn::Isa isa = attn::all_isas[static_cast<std::size_t>(state.range(0))];
+  if (!attn::isa_supported(isa)) {
+    state.SkipWithError((std::string(attn::isa_name(isa)) + ": not on this CPU").c_str());
     return;
   }
-  time_runs(state, run, inputs, attention_flops(length, dim, causal));
+  const attn::ScopedIsa forced(isa);
+  state.SetLabel(attn::isa_name(isa));
+  BM_sdpa(state, attn::Algorithm::flash, 1);
 }
 
 // Linear attention (elu + 1, attn/linear_attention.hpp) on the same inputs. FLOPs are the
@@ -274,7 +240,8 @@ void register_all() {
       tiny ? std::vector<std::int64_t>{64} : std::vector<std::int64_t>{64, 128};
   const std::vector<std::int64_t> thread_counts{1, 2};
 
-  attn_bench::register_fma_peak();  // the same probe as bench_gemm's
+  attn_bench::register_fma_peak();       // the same probe as bench_gemm's
+  attn_bench::register_fma_peak_isas();  // and per instruction set, for flash_isa
   const auto add = [&](const char* name, auto&& function, bool with_causal) {
     benchmark::RegisterBenchmark(name, function)
         ->ArgNames({"L", "D", "causal", "threads"})
@@ -291,7 +258,11 @@ void register_all() {
       "chunked", [](benchmark::State& s) { BM_sdpa(s, attn::Algorithm::chunked); }, true);
   add(
       "flash", [](benchmark::State& s) { BM_sdpa(s, attn::Algorithm::flash); }, true);
-  add("flash_portable", BM_flash_portable, true);
+  benchmark::RegisterBenchmark("flash_isa", BM_flash_isa)
+      ->ArgNames({"isa", "L", "D", "causal", "threads"})
+      ->ArgsProduct({{0, 1, 2}, lengths, dims, {0, 1}, thread_counts})
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
   add("flash_kv_half", BM_flash_kv16<Eigen::half>, true);
   add("flash_kv_bfloat16", BM_flash_kv16<Eigen::bfloat16>, true);
   add("linear", BM_linear, true);

@@ -18,6 +18,9 @@
 //   decode_before          what one query ran before the decode kernel: naive (automatic's
 //                          choice for Lq * Lk <= 64 * 64) and flash
 //   decode_vs_flash_by_Lq  Lq = 1 .. 32 at Lk = 4096: where decode stops paying
+//   decode_isa/<isa>, decode_vs_flash_by_Lq_isa/<isa>   the same with the products of one
+//                          instruction set forced (attn/cpu.hpp), for each one this CPU has:
+//                          Lk = 8192 and 32768, D = 128, one thread
 // B = 1; bottom-right causal (the new tokens see every key). Every benchmark is validated
 // against naive on the same (rounded) inputs before timing.
 //
@@ -33,6 +36,7 @@
 #include <vector>
 
 #include <attn/attention.hpp>
+#include <attn/cpu.hpp>
 
 #include "common.hpp"
 
@@ -117,7 +121,10 @@ void BM_decode(benchmark::State& state) {
   const auto run = [&](std::vector<float>& result, Kernel which) {
     const auto out_view = attn::bhld_view(result.data(), Index(1), q_heads, q_length, dim);
     if (half) {
-      attn::detail::decode_attention<float, Eigen::half>(qv, kh, vh, out_view, mask, scale,
+      const attn::KernelPlan plan =
+          attn::plan_attention<float>({1, q_heads, kv_heads, q_length, k_length, dim, dim},
+                                      attn::Algorithm::decode, 0, 0, false);
+      attn::detail::decode_attention<float, Eigen::half>(plan, qv, kh, vh, out_view, mask, scale,
                                                          nullptr);
       return;
     }
@@ -149,6 +156,13 @@ void BM_decode(benchmark::State& state) {
       benchmark::Counter(4.0 * static_cast<double>(q_heads * q_length * k_length * dim),
                          benchmark::Counter::kIsIterationInvariantRate);
   set_threads(1);
+}
+
+/// BM_decode with the products of `isa` forced.
+void BM_decode_isa(benchmark::State& state, attn::Isa isa) {
+  const attn::ScopedIsa forced(isa);
+  state.SetLabel(attn::isa_name(isa));
+  BM_decode(state);
 }
 
 void register_all() {
@@ -208,6 +222,38 @@ void register_all() {
            {kernel(Kernel::flash), kernel(Kernel::decode)}})
       ->UseRealTime()
       ->Unit(benchmark::kMicrosecond);
+  // Every instruction set this CPU has, in the same run.
+  for (const attn::Isa isa : attn::all_isas) {
+    if (!attn::isa_supported(isa))
+      continue;
+    const std::string suffix = std::string("/") + attn::isa_name(isa);
+    benchmark::RegisterBenchmark(("decode_isa" + suffix).c_str(), BM_decode_isa, isa)
+        ->ArgNames(arg_names)
+        ->ArgsProduct(
+            {{1},
+             tiny ? std::vector<std::int64_t>{512} : std::vector<std::int64_t>{8192, 32768},
+             {8, 32},
+             {8},
+             {128},
+             {1},
+             {0, 1},
+             {kernel(Kernel::decode)}})
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(("decode_vs_flash_by_Lq_isa" + suffix).c_str(), BM_decode_isa, isa)
+        ->ArgNames(arg_names)
+        ->ArgsProduct(
+            {tiny ? std::vector<std::int64_t>{2} : std::vector<std::int64_t>{1, 2, 4, 8, 16, 32},
+             {tiny ? 512 : 4096},
+             {8, 32},
+             {8},
+             {128},
+             {1},
+             {0},
+             {kernel(Kernel::flash), kernel(Kernel::decode)}})
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+  }
 }
 
 }  // namespace

@@ -7,6 +7,16 @@
 //   gemm_pv/L/D/threads       (L x L) (L x D) -> (L x D)   one head's p v
 //   gemm_proj/N/K/M/threads   (N x K) (K x M) -> (N x M)   MHA projections, N = B * S = 4096:
 //                             K = 768, M = 2304 (fused QKV) and M = 768 (output)
+//
+// Beside them, attn's own GEMM (kernels/gemm.hpp), dispatched by instruction set, at the same
+// shapes in the same binary (these benchmarks are built with -march=native, so Eigen above is
+// Eigen compiled for this CPU: the comparison that counts):
+//   fma_peak_isa/I/threads:T              the FMA peak of instruction set I (common.hpp)
+//   attn_gemm_proj/I/N/K/M/threads        (N x K) (K x M) -> (N x M) on instruction set I
+//   attn_gemm_scores/I/L/D/threads, attn_gemm_pv/I/L/D/threads   L = 512, D = 64
+// I in {generic, avx2, avx512} as this CPU supports them; each checks its product against
+// Eigen's before its timed loop.
+//
 // All matrices are row-major float (attn::Matrix), one product per iteration,
 // FLOPs = 2 * rows * depth * cols, reported as the "FLOPS" rate counter. L in {128 .. 8192},
 // D in {64, 128}, threads in {1, 2}.
@@ -28,6 +38,8 @@
 #include <string>
 #include <vector>
 
+#include <attn/cpu.hpp>
+#include <attn/kernels/gemm.hpp>
 #include <attn/tensor.hpp>
 
 #include "common.hpp"
@@ -122,6 +134,54 @@ void BM_gemm_proj(benchmark::State& state) {  // (N x K) (K x M)
   run_gemm(state, state.range(0), state.range(1), state.range(2), static_cast<int>(state.range(3)));
 }
 
+/// attn::detail::gemm on `isa`, (rows x depth) (depth x cols), timed; checked against
+/// Eigen's product and against double dot products first.
+void run_attn_gemm(benchmark::State& state, attn::Isa isa, Index rows, Index depth, Index cols,
+                   int threads) {
+  set_threads(threads);
+  const Mat a = random_matrix(rows, depth, 1), b = random_matrix(depth, cols, 2);
+  Mat expected(rows, cols), c(rows, cols);
+  expected.noalias() = a * b;
+  const auto product = [&] {
+    attn::detail::gemm(isa, rows, cols, depth, a.data(), depth, b.data(), cols, c.data(), cols);
+  };
+  product();
+  const double to_eigen = static_cast<double>((c - expected).cwiseAbs().maxCoeff()) /
+                          std::max(1.0, static_cast<double>(expected.cwiseAbs().maxCoeff()));
+  const double error = sampled_error(a, b, c);
+  if (!(error <= tolerance(depth)) || !(to_eigen <= tolerance(depth))) {
+    state.SkipWithError(("product differs from Eigen's by " + std::to_string(to_eigen) +
+                         " and from double dot products by " + std::to_string(error))
+                            .c_str());
+    set_threads(1);
+    return;
+  }
+  for (auto _ : state) {
+    product();
+    benchmark::DoNotOptimize(c.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] = benchmark::Counter(
+      2.0 * static_cast<double>(rows) * static_cast<double>(depth) * static_cast<double>(cols),
+      benchmark::Counter::kIsIterationInvariantRate);
+  set_threads(1);
+}
+
+void BM_attn_gemm_proj(benchmark::State& state, attn::Isa isa) {  // (N x K) (K x M)
+  run_attn_gemm(state, isa, state.range(0), state.range(1), state.range(2),
+                static_cast<int>(state.range(3)));
+}
+
+void BM_attn_gemm_scores(benchmark::State& state, attn::Isa isa) {  // (L x D) (D x L)
+  run_attn_gemm(state, isa, state.range(0), state.range(1), state.range(0),
+                static_cast<int>(state.range(2)));
+}
+
+void BM_attn_gemm_pv(benchmark::State& state, attn::Isa isa) {  // (L x L) (L x D)
+  run_attn_gemm(state, isa, state.range(0), state.range(0), state.range(1),
+                static_cast<int>(state.range(2)));
+}
+
 /// Eigen's product against a naive triple loop at small, odd sizes of every family.
 void validate() {
   struct Case {
@@ -165,6 +225,29 @@ void register_all() {
       ->ArgsProduct({{tokens}, {embed}, {3 * embed, embed}, thread_counts})
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
+
+  attn_bench::register_fma_peak_isas();
+  const std::int64_t head_length = tiny ? 128 : 512, head_dim = 64;
+  for (const attn::Isa isa : attn::all_isas) {
+    if (!attn::isa_supported(isa))
+      continue;
+    const std::string suffix = std::string("/") + attn::isa_name(isa);
+    benchmark::RegisterBenchmark(("attn_gemm_proj" + suffix).c_str(), BM_attn_gemm_proj, isa)
+        ->ArgNames({"N", "K", "M", "threads"})
+        ->ArgsProduct({{tokens}, {embed}, {3 * embed, embed}, thread_counts})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("attn_gemm_scores" + suffix).c_str(), BM_attn_gemm_scores, isa)
+        ->ArgNames({"L", "D", "threads"})
+        ->ArgsProduct({{head_length}, {head_dim}, thread_counts})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("attn_gemm_pv" + suffix).c_str(), BM_attn_gemm_pv, isa)
+        ->ArgNames({"L", "D", "threads"})
+        ->ArgsProduct({{head_length}, {head_dim}, thread_counts})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
 }
 
 }  // namespace

@@ -1,11 +1,15 @@
 // bench/bench_multihead.cpp: MultiHeadAttention forward beside the GEMMs it is made of.
 //
 // Shapes (the QKV tutorial's batch, seed 002): B = 8, S = 512, E = 768, H = 12, D = 64.
+//   fma_peak         the FMA probe of the widest instruction set the CPU has (common.hpp)
 //   mha_forward      the whole forward (self-attention, fused QKV, no weights returned)
-//   qkv_gemm         (B*S, E) x (E, 3E) = (4096 x 768) x (768 x 2304), as in pass 1
+//   qkv_gemm         (B*S, E) x (E, 3E) = (4096 x 768) x (768 x 2304), as in pass 1: attn's
+//                    GEMM on the instruction set chosen at run time (kernels/gemm.hpp)
 //   attention_only   scaled_dot_product_attention_into on the strided head views of a fused
 //                    (B, S, 3E) buffer, writing (B, S, E): pass 2
-//   out_proj_gemm    (B*S, E) x (E, E) = (4096 x 768) x (768 x 768): pass 3
+//   out_proj_gemm    (B*S, E) x (E, E) = (4096 x 768) x (768 x 768): pass 3, attn's GEMM
+//   eigen_qkv_gemm, eigen_out_proj_gemm   the same products with Eigen's GEMM, compiled for
+//                    this binary's flags (what the projections ran before attn had its own)
 // All report FLOP/s (kIsIterationInvariantRate); buffers are allocated outside the timed
 // loop. Before timing, the forward is checked against the composition of the three parts.
 // The fraction of time in projections vs attention is (qkv_gemm + out_proj_gemm) vs
@@ -22,8 +26,12 @@
 #include <string>
 
 #include "attn/attention.hpp"
+#include "attn/cpu.hpp"
+#include "attn/kernels/gemm.hpp"
 #include "attn/multihead.hpp"
 #include "attn/projection.hpp"
+
+#include "common.hpp"
 
 namespace {
 
@@ -99,7 +107,7 @@ void validate(const Shape& s) {
 }
 
 void label(benchmark::State& state, const Shape& s, double flops) {
-  state.counters["FLOP/s"] =
+  state.counters["FLOPS"] =
       benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel("B=" + std::to_string(s.batch) + " S=" + std::to_string(s.seq) +
                  " E=" + std::to_string(s.embed) + " H=" + std::to_string(s.heads) +
@@ -122,18 +130,30 @@ void mha_forward(benchmark::State& state) {
   label(state, s, s.qkv_flops() + s.attention_flops() + s.out_flops());
 }
 
-void qkv_gemm(benchmark::State& state) {
+/// (B*S, E) x (E, cols): attn's GEMM (on the active instruction set) or Eigen's.
+void projection_gemm(benchmark::State& state, Index cols, bool eigen, double flops) {
   const Shape s = shape();
   const Index n = s.batch * s.seq;
   const attn::Matrix<T> x = attn::Matrix<T>::Random(n, s.embed);
-  const attn::Matrix<T> w = attn::Matrix<T>::Random(s.embed, 3 * s.embed);
-  attn::Matrix<T> y(n, 3 * s.embed);
+  const attn::Matrix<T> w = attn::Matrix<T>::Random(s.embed, cols);
+  attn::Matrix<T> y(n, cols);
+  const attn::Isa isa = attn::active_isa();
   for (auto _ : state) {
-    y.noalias() = x * w;
+    if (eigen)
+      y.noalias() = x * w;
+    else
+      attn::detail::gemm(isa, n, cols, s.embed, x.data(), s.embed, w.data(), cols, y.data(), cols);
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
   }
-  label(state, s, s.qkv_flops());
+  label(state, s, flops);
+}
+
+void qkv_gemm(benchmark::State& state) {
+  projection_gemm(state, 3 * shape().embed, false, shape().qkv_flops());
+}
+void eigen_qkv_gemm(benchmark::State& state) {
+  projection_gemm(state, 3 * shape().embed, true, shape().qkv_flops());
 }
 
 void attention_only(benchmark::State& state) {
@@ -155,17 +175,10 @@ void attention_only(benchmark::State& state) {
 }
 
 void out_proj_gemm(benchmark::State& state) {
-  const Shape s = shape();
-  const Index n = s.batch * s.seq;
-  const attn::Matrix<T> x = attn::Matrix<T>::Random(n, s.embed);
-  const attn::Matrix<T> w = attn::Matrix<T>::Random(s.embed, s.embed);
-  attn::Matrix<T> y(n, s.embed);
-  for (auto _ : state) {
-    y.noalias() = x * w;
-    benchmark::DoNotOptimize(y.data());
-    benchmark::ClobberMemory();
-  }
-  label(state, s, s.out_flops());
+  projection_gemm(state, shape().embed, false, shape().out_flops());
+}
+void eigen_out_proj_gemm(benchmark::State& state) {
+  projection_gemm(state, shape().embed, true, shape().out_flops());
 }
 
 }  // namespace
@@ -175,6 +188,7 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv))
     return 1;
   validate(shape());  // the forward must equal its parts before anything is timed
+  attn_bench::register_fma_peak();
   benchmark::RegisterBenchmark("mha_forward", mha_forward)
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime();
@@ -183,6 +197,12 @@ int main(int argc, char** argv) {
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime();
   benchmark::RegisterBenchmark("out_proj_gemm", out_proj_gemm)
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
+  benchmark::RegisterBenchmark("eigen_qkv_gemm", eigen_qkv_gemm)
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
+  benchmark::RegisterBenchmark("eigen_out_proj_gemm", eigen_out_proj_gemm)
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime();
   benchmark::RunSpecifiedBenchmarks();

@@ -5,9 +5,12 @@
 //   fill_normal(v, s)  N(0, 1) floats from a fixed seed
 //   max_abs_diff(a, b) worst |a - b| of two equally long float sequences
 //   linear_attention_quadratic  linear attention's O(L^2) reference form, in double
-//   register_fma_peak  the FMA peak probe, "fma_peak/threads:{1,2}": every binary that
-//                      reports a fraction of peak registers this same probe, so that the
-//                      ceiling and the figure come from one run and one piece of code.
+//   register_fma_peak  the FMA peak probe, "fma_peak/threads:{1,2}", of the widest
+//                      instruction set the CPU has, whatever the binary's flags: every binary
+//                      that reports a fraction of peak registers this same probe, so that
+//                      the ceiling and the figure come from one run and one piece of code.
+//   register_fma_peak_isas  the same probe per instruction set, "fma_peak_isa/{avx2,avx512}/
+//                      threads:{1,2}", for the dispatched kernels (the CPU's sets only).
 #pragma once
 
 #include <benchmark/benchmark.h>
@@ -18,15 +21,14 @@
 #include <cstdlib>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 #include <Eigen/Core>
 
 #include <attn/config.hpp>
+#include <attn/cpu.hpp>
+#include <attn/kernels/simd/target.hpp>
 
 namespace attn_bench {
 
@@ -80,66 +82,87 @@ inline MatrixD linear_attention_quadratic(const MatrixD& q,                  // 
 }
 
 // --- FMA peak -------------------------------------------------------------------------
-// 12 independent accumulators of the widest vector: enough to hide the FMA latency (4
-// cycles) on two pipes, all register-resident. FLOPs = 2 per lane per FMA.
-inline double fma_kernel(std::int64_t iterations) {
-#if defined(__AVX512F__)
-  __m512 acc[12];
-  for (int r = 0; r < 12; ++r)
-    acc[r] = _mm512_set1_ps(static_cast<float>(r) * 1e-3f);
-  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
-  for (std::int64_t n = 0; n < iterations; ++n) {
-    for (int r = 0; r < 12; ++r)
-      acc[r] = _mm512_fmadd_ps(acc[r], a, b);
-  }
-  __m512 sum = acc[0];
-  for (int r = 1; r < 12; ++r)
-    sum = _mm512_add_ps(sum, acc[r]);
-  return static_cast<double>(_mm512_reduce_add_ps(sum));
-#elif defined(__AVX2__)
-  __m256 acc[12];
-  for (int r = 0; r < 12; ++r)
-    acc[r] = _mm256_set1_ps(static_cast<float>(r) * 1e-3f);
+// 12 independent accumulators of one instruction set's vectors per thread: enough to hide
+// the FMA latency on two pipes, all register-resident, FLOPs = 2 per lane per FMA. The
+// vector probes are compiled for AVX2 and AVX-512 by target regions
+// (attn/kernels/simd/target.hpp), like the dispatched kernels, so that the ceiling does not
+// depend on this binary's -march; the 12 chains are unrolled by a fold so that they stay in
+// registers at any -O level.
+#if ATTN_X86_DISPATCH
+ATTN_BEGIN_TARGET_AVX2
+namespace avx2_probe {
+template <std::size_t... I>
+inline double fma_kernel(std::int64_t iterations, std::index_sequence<I...>) {
+  __m256 acc[sizeof...(I)] = {_mm256_set1_ps(static_cast<float>(I) * 1e-3f)...};
   const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
-  for (std::int64_t n = 0; n < iterations; ++n) {
-    for (int r = 0; r < 12; ++r)
-      acc[r] = _mm256_fmadd_ps(acc[r], a, b);
-  }
+  for (std::int64_t n = 0; n < iterations; ++n)
+    ((acc[I] = _mm256_fmadd_ps(acc[I], a, b)), ...);
+  __m256 sum = _mm256_setzero_ps();
+  ((sum = _mm256_add_ps(sum, acc[I])), ...);
   float lanes[8];
-  __m256 sum = acc[0];
-  for (int r = 1; r < 12; ++r)
-    sum = _mm256_add_ps(sum, acc[r]);
   _mm256_storeu_ps(lanes, sum);
   double total = 0;
-  for (float x : lanes)
+  for (const float x : lanes)
     total += static_cast<double>(x);
   return total;
-#else
+}
+}  // namespace avx2_probe
+ATTN_END_TARGET
+
+ATTN_BEGIN_TARGET_AVX512
+namespace avx512_probe {
+template <std::size_t... I>
+inline double fma_kernel(std::int64_t iterations, std::index_sequence<I...>) {
+  __m512 acc[sizeof...(I)] = {_mm512_set1_ps(static_cast<float>(I) * 1e-3f)...};
+  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
+  for (std::int64_t n = 0; n < iterations; ++n)
+    ((acc[I] = _mm512_fmadd_ps(acc[I], a, b)), ...);
+  float lanes[16];
+  __m512 sum = _mm512_setzero_ps();
+  ((sum = _mm512_add_ps(sum, acc[I])), ...);
+  _mm512_storeu_ps(lanes, sum);
+  double total = 0;
+  for (const float x : lanes)
+    total += static_cast<double>(x);
+  return total;
+}
+}  // namespace avx512_probe
+ATTN_END_TARGET
+#endif
+
+/// Scalar multiply-adds (the only probe where target regions do not apply): 2 FLOPs each.
+inline double scalar_fma_kernel(std::int64_t iterations) {
   float acc[12];
   for (int r = 0; r < 12; ++r)
     acc[r] = static_cast<float>(r) * 1e-3f;
   for (std::int64_t n = 0; n < iterations; ++n) {
     for (float& x : acc)
-      x = std::fma(x, 0.999999f, 1e-7f);
+      x = x * 0.999999f + 1e-7f;
   }
   double total = 0;
-  for (float x : acc)
+  for (const float x : acc)
     total += static_cast<double>(x);
   return total;
-#endif
 }
 
-constexpr double fma_lanes() {
-#if defined(__AVX512F__)
-  return 16;
-#elif defined(__AVX2__)
-  return 8;
-#else
-  return 1;
-#endif
+/// Floats per vector of `isa` (1 for the scalar probe of Isa::generic).
+inline double fma_lanes(attn::Isa isa) {
+  return isa == attn::Isa::avx512 ? 16 : isa == attn::Isa::avx2 ? 8 : 1;
 }
 
-inline void BM_fma_peak(benchmark::State& state) {
+inline double fma_kernel(attn::Isa isa, std::int64_t iterations) {
+#if ATTN_X86_DISPATCH
+  if (isa == attn::Isa::avx512)
+    return avx512_probe::fma_kernel(iterations, std::make_index_sequence<12>());
+  if (isa == attn::Isa::avx2)
+    return avx2_probe::fma_kernel(iterations, std::make_index_sequence<12>());
+#endif
+  (void)isa;
+  return scalar_fma_kernel(iterations);
+}
+
+/// 12 FMA chains of `isa` per thread, on state.range(0) threads.
+inline void BM_fma_peak_isa(benchmark::State& state, attn::Isa isa) {
   const int threads = static_cast<int>(state.range(0));
   const std::int64_t iterations = smoke() ? (1 << 12) : (1 << 22);
   for (auto _ : state) {
@@ -147,22 +170,39 @@ inline void BM_fma_peak(benchmark::State& state) {
 #if ATTN_HAS_OPENMP
 #pragma omp parallel num_threads(threads) reduction(+ : result)
 #endif
-    result += fma_kernel(iterations);
+    result += fma_kernel(isa, iterations);
     benchmark::DoNotOptimize(result);
   }
   state.counters["FLOPS"] =
-      benchmark::Counter(2.0 * 12 * fma_lanes() * static_cast<double>(iterations) * threads,
+      benchmark::Counter(2.0 * 12 * fma_lanes(isa) * static_cast<double>(iterations) * threads,
                          benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(attn::isa_name(isa));
 }
 
-/// Registers "fma_peak/threads:1" and "fma_peak/threads:2".
+/// Registers "fma_peak/threads:{1,2}": the probe of the widest instruction set this CPU has
+/// (attn::best_isa()), the machine's arithmetic ceiling whatever this binary's flags.
 inline void register_fma_peak() {
-  benchmark::RegisterBenchmark("fma_peak", BM_fma_peak)
+  benchmark::RegisterBenchmark("fma_peak", BM_fma_peak_isa, attn::best_isa())
       ->ArgNames({"threads"})
       ->Arg(1)
       ->Arg(2)
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
+}
+
+/// Registers "fma_peak_isa/<isa>/threads:{1,2}" for avx2 and avx512 as this CPU has them.
+inline void register_fma_peak_isas() {
+  for (const attn::Isa isa : {attn::Isa::avx2, attn::Isa::avx512}) {
+    if (!attn::isa_supported(isa))
+      continue;
+    benchmark::RegisterBenchmark((std::string("fma_peak_isa/") + attn::isa_name(isa)).c_str(),
+                                 BM_fma_peak_isa, isa)
+        ->ArgNames({"threads"})
+        ->Arg(1)
+        ->Arg(2)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
 }
 
 }  // namespace attn_bench

@@ -1,4 +1,5 @@
-// Differential fuzz target (libFuzzer): naive, chunked, flash and decode attention must agree.
+// Differential fuzz target (libFuzzer): naive, chunked, flash and decode attention must agree,
+// flash and decode on every instruction set the CPU has (attn/cpu.hpp).
 //
 // Build and run: scripts/fuzz.sh (fuzz/README.md). Each input is decoded into one problem:
 //
@@ -43,6 +44,7 @@
 #include <vector>
 
 #include <attn/attention.hpp>
+#include <attn/cpu.hpp>
 #include <attn/linear_attention.hpp>
 
 namespace {
@@ -518,14 +520,31 @@ template <class T, class R>
 void check_attention(const Problem& p) {
   Typed<T> typed(p);
   Typed<R> wide(p);
-  const attn::Algorithm kernels[] = {attn::Algorithm::naive, attn::Algorithm::chunked,
-                                     attn::Algorithm::flash, attn::Algorithm::decode};
-  constexpr int kernel_count = 4;
+  // naive and chunked (Eigen's products), then flash and decode on every instruction set
+  // this CPU has, each forced in turn (attn/cpu.hpp): one build fuzzes every path.
+  struct Kernel {
+    attn::Algorithm algorithm;
+    attn::Isa isa;
+    std::string name;
+  };
+  std::vector<Kernel> kernels{{attn::Algorithm::naive, attn::Isa::generic, "naive"},
+                              {attn::Algorithm::chunked, attn::Isa::generic, "chunked"}};
+  for (const attn::Isa isa : attn::all_isas) {
+    if (!attn::isa_supported(isa))
+      continue;
+    for (const attn::Algorithm algorithm : {attn::Algorithm::flash, attn::Algorithm::decode}) {
+      kernels.push_back({algorithm, isa,
+                         std::string(attn::algorithm_name(algorithm)) + "/" + attn::isa_name(isa)});
+    }
+  }
+  const int kernel_count = static_cast<int>(kernels.size());
   const std::string reference_error = wide.run(p, attn::Algorithm::naive);
-  std::vector<T> outs[kernel_count], lses[kernel_count];
+  std::vector<std::vector<T>> outs(kernels.size()), lses(kernels.size());
   for (int n = 0; n < kernel_count; ++n) {
-    const std::string error = typed.run(p, kernels[n]);
-    const std::string name = attn::detail::algorithm_name(kernels[n]);
+    const Kernel& kernel = kernels[static_cast<std::size_t>(n)];
+    const attn::ScopedIsa forced(kernel.isa);
+    const std::string error = typed.run(p, kernel.algorithm);
+    const std::string& name = kernel.name;
     if (p.invalid != Invalid::none) {
       if (error.rfind("invalid_argument: scaled_dot_product_attention: ", 0) != 0)
         fail(p, name + " did not throw std::invalid_argument: '" + error + "'");
@@ -536,8 +555,8 @@ void check_attention(const Problem& p) {
     }
     if (!error.empty())
       fail(p, name + " threw on a valid problem: " + error);
-    outs[n] = typed.out;
-    lses[n] = typed.lse;
+    outs[static_cast<std::size_t>(n)] = typed.out;
+    lses[static_cast<std::size_t>(n)] = typed.lse;
   }
   if (p.linear && shared_with_linear(p.invalid)) {
     std::vector<T> ignored;
@@ -565,10 +584,11 @@ void check_attention(const Problem& p) {
       if (!std::isnan(at(wide.out, e)))
         fail(p, "row " + std::to_string(row) + " is reached by NaN but the reference is not");
       for (int n = 0; n < kernel_count; ++n) {
-        if (!std::isnan(at(outs[n], e))) {
-          fail(p, std::string(attn::detail::algorithm_name(kernels[n])) + ": row " +
-                      std::to_string(row) + " element " + std::to_string(e) +
-                      " is reached by NaN but holds " + std::to_string(at(outs[n], e)));
+        const std::size_t k = static_cast<std::size_t>(n);
+        if (!std::isnan(at(outs[k], e))) {
+          fail(p, kernels[k].name + ": row " + std::to_string(row) + " element " +
+                      std::to_string(e) + " is reached by NaN but holds " +
+                      std::to_string(at(outs[k], e)));
         }
       }
     }
@@ -587,12 +607,12 @@ void check_attention(const Problem& p) {
     if (!rule.sees_keys && !nothing_seen)
       fail(p, "row " + std::to_string(row) + " sees no key but its log-sum-exp is not -inf");
     for (int n = 0; n < kernel_count; ++n) {
-      const char* name = attn::detail::algorithm_name(kernels[n]);
+      const std::string& name = kernels[static_cast<std::size_t>(n)].name;
       const double bound = (n == 0 ? naive_error : 2 * naive_error) + floor + cond;
       for (Index e = 0; e < dv; ++e) {
         if (!compared(e))
           continue;
-        const double expected = at(wide.out, e), actual = at(outs[n], e);
+        const double expected = at(wide.out, e), actual = at(outs[static_cast<std::size_t>(n)], e);
         if (!std::isfinite(expected))
           fail(p, "row " + std::to_string(row) + ": the reference is not finite");
         if (!(std::abs(actual - expected) <= bound)) {
@@ -605,7 +625,7 @@ void check_attention(const Problem& p) {
       }
       if (rule.any_nan)
         continue;
-      const double lse_actual = static_cast<double>(lses[n][row]);
+      const double lse_actual = static_cast<double>(lses[static_cast<std::size_t>(n)][row]);
       if (nothing_seen != (lse_actual == -std::numeric_limits<double>::infinity()) ||
           (!nothing_seen && !(std::abs(lse_actual - lse_expected) <=
                               64 * eps * std::max(std::abs(lse_expected), 1.0) + logit_error))) {

@@ -36,7 +36,8 @@ std::vector<double> slice(const std::vector<double>& flat, Index offset, Index c
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("batched attention matches the PyTorch fixtures", "[attention]", float, double) {
+TEMPLATE_TEST_CASE("batched attention matches the PyTorch fixtures", "[attention][isa]", float,
+                   double) {
   using T = TestType;
   const double rtol = attn_test::tolerance<T>();
   for (const json& c : attn_test::fixture("sdpa.json").at("cases")) {
@@ -70,8 +71,8 @@ TEMPLATE_TEST_CASE("batched attention matches the PyTorch fixtures", "[attention
   }
 }
 
-TEMPLATE_TEST_CASE("(B, L, H, D) memory through strided views matches the fixtures", "[attention]",
-                   float, double) {
+TEMPLATE_TEST_CASE("(B, L, H, D) memory through strided views matches the fixtures",
+                   "[attention][isa]", float, double) {
   using T = TestType;
   for (const json& c : attn_test::fixture("sdpa.json").at("cases")) {
     SECTION(c.at("name").get<std::string>()) {
@@ -95,8 +96,8 @@ TEMPLATE_TEST_CASE("(B, L, H, D) memory through strided views matches the fixtur
   }
 }
 
-TEMPLATE_TEST_CASE("the one-head matrix overload matches the fixtures head by head", "[attention]",
-                   float, double) {
+TEMPLATE_TEST_CASE("the one-head matrix overload matches the fixtures head by head",
+                   "[attention][isa]", float, double) {
   using T = TestType;
   const double rtol = attn_test::tolerance<T>();
   for (const json& c : attn_test::fixture("sdpa.json").at("cases")) {
@@ -148,7 +149,7 @@ TEMPLATE_TEST_CASE("the one-head matrix overload matches the fixtures head by he
   }
 }
 
-TEMPLATE_TEST_CASE("NaN in q, k or v propagates to the rows it reaches", "[attention]", float,
+TEMPLATE_TEST_CASE("NaN in q, k or v propagates to the rows it reaches", "[attention][isa]", float,
                    double) {
   using T = TestType;
   const T nan = std::numeric_limits<T>::quiet_NaN();
@@ -178,7 +179,7 @@ TEMPLATE_TEST_CASE("NaN in q, k or v propagates to the rows it reaches", "[atten
   }
 }
 
-TEMPLATE_TEST_CASE("empty problems are defined", "[attention]", float, double) {
+TEMPLATE_TEST_CASE("empty problems are defined", "[attention][isa]", float, double) {
   using T = TestType;
   attn::Tensor<T, 4> q(2, 2, 0, 4), k(2, 2, 3, 4), v(2, 2, 3, 5);
   k.setConstant(1);
@@ -197,7 +198,7 @@ TEMPLATE_TEST_CASE("empty problems are defined", "[attention]", float, double) {
 }
 
 TEST_CASE("scaled_dot_product_attention rejects inconsistent shapes and options",
-          "[attention][errors]") {
+          "[attention][errors][isa]") {
   const auto tensor = [](Index b, Index h, Index l, Index d) {
     attn::Tensor<float, 4> t(b, h, l, d);
     t.setConstant(0.5f);
@@ -285,7 +286,7 @@ TEST_CASE("scaled_dot_product_attention rejects inconsistent shapes and options"
                       "[1, 1, 5, 3]: q and k head dims differ");
 }
 
-TEST_CASE("alibi_slopes follows the ALiBi authors' schedule", "[attention]") {
+TEST_CASE("alibi_slopes follows the ALiBi authors' schedule", "[attention][isa]") {
   const json& schedules = attn_test::fixture("sdpa.json").at("alibi_schedules");
   for (Index heads = 1; heads <= 16; ++heads) {
     INFO(heads << " heads");

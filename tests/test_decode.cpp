@@ -181,9 +181,13 @@ std::vector<float> run_decode(const Problem& p, const Heads<float>& q, const Hea
                                o.softcap);
   Heads<float> out(p.batch, p.q_heads, p.q_length, p.value_dim);
   std::vector<float> l(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
-  attn::detail::decode_attention<float, S>(q.cview(), k.cview(), v.cview(), out.view(), mask,
-                                           1.0f / std::sqrt(static_cast<float>(p.dim)), l.data(),
-                                           split_keys, key_block);
+  attn::KernelPlan plan = attn::plan_attention<float>(
+      {p.batch, p.q_heads, p.kv_heads, p.q_length, p.k_length, p.dim, p.value_dim},
+      attn::Algorithm::decode, 0, 0, false);
+  plan.split_keys = split_keys;
+  plan.key_block = key_block;
+  attn::detail::decode_attention<float, S>(plan, q.cview(), k.cview(), v.cview(), out.view(), mask,
+                                           1.0f / std::sqrt(static_cast<float>(p.dim)), l.data());
   if (lse != nullptr)
     *lse = l;
   return out.data;
@@ -196,8 +200,8 @@ constexpr double error_floor() {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("decode matches a double reference and is within 2x naive's error", "[decode]",
-                   float, double) {
+TEMPLATE_TEST_CASE("decode matches a double reference and is within 2x naive's error",
+                   "[decode][isa]", float, double) {
   using T = TestType;
   std::mt19937 rng(7);
   for (const Index k_length : {1, 7, 300, 5000}) {
@@ -251,7 +255,7 @@ TEMPLATE_TEST_CASE("decode matches a double reference and is within 2x naive's e
   }
 }
 
-TEMPLATE_TEST_CASE("decode with half and bfloat16 K and V accumulates in float", "[decode]",
+TEMPLATE_TEST_CASE("decode with half and bfloat16 K and V accumulates in float", "[decode][isa]",
                    Eigen::half, Eigen::bfloat16) {
   using S = TestType;
   const auto round_to_s = [](double x) {
@@ -295,7 +299,7 @@ TEMPLATE_TEST_CASE("decode with half and bfloat16 K and V accumulates in float",
 }
 
 TEMPLATE_TEST_CASE("decode at the head dims models use (whole vectors of 16) and remainders",
-                   "[decode]", float, Eigen::half, Eigen::bfloat16) {
+                   "[decode][isa]", float, Eigen::half, Eigen::bfloat16) {
   // The AVX-512 products (kernels/decode_avx512.hpp) take whole 16-float vectors and 4 keys
   // x 4 rows at a time; these shapes give every row-block remainder (rows 1 .. 8) and key
   // remainder (Lk % 4, block ends) with whole-vector dims, and a 16-lane tail (D 80, Dv 48
@@ -330,7 +334,8 @@ TEMPLATE_TEST_CASE("decode at the head dims models use (whole vectors of 16) and
   }
 }
 
-TEST_CASE("decode over 16384 half keys stays accurate where a half accumulator fails", "[decode]") {
+TEST_CASE("decode over 16384 half keys stays accurate where a half accumulator fails",
+          "[decode][isa]") {
   // Small scores: every key gets a weight near 1, so the softmax sum approaches Lk. A half
   // accumulator stops growing at 2048 (adding 1 to 2048 rounds back to 2048 in half), so
   // its outputs come out ~8x too large; ours sums in float.
@@ -387,7 +392,7 @@ TEST_CASE("decode over 16384 half keys stays accurate where a half accumulator f
 }
 
 #if ATTN_HAS_OPENMP
-TEST_CASE("decode results are bitwise identical for 1 and 2 threads", "[decode]") {
+TEST_CASE("decode results are bitwise identical for 1 and 2 threads", "[decode][isa]") {
   const int saved = omp_get_max_threads();
   std::mt19937 rng(5);
   for (int kind : {0, 2, 9}) {
@@ -415,7 +420,7 @@ TEST_CASE("decode results are bitwise identical for 1 and 2 threads", "[decode]"
 }
 #endif
 
-TEST_CASE("decode: fully masked rows give zeros and -inf, NaN propagates", "[decode]") {
+TEST_CASE("decode: fully masked rows give zeros and -inf, NaN propagates", "[decode][isa]") {
   std::mt19937 rng(9);
   const Problem p{2, 4, 2, 1, 700, 16, 16, 4};  // key_lengths[1] = 0: batch 1 sees nothing
   const MaskData m = make_masks(p, rng);
@@ -435,7 +440,7 @@ TEST_CASE("decode: fully masked rows give zeros and -inf, NaN propagates", "[dec
     REQUIRE(std::isnan(out[static_cast<std::size_t>(n)]) == (n < 2 * 16));
 }
 
-TEST_CASE("decode handles no keys and no queries", "[decode]") {
+TEST_CASE("decode handles no keys and no queries", "[decode][isa]") {
   attn::AttentionOptions<float> options;
   options.algorithm = attn::Algorithm::decode;
   attn::Tensor<float, 4> q(1, 4, 2, 8), k0(1, 2, 0, 8), v0(1, 2, 0, 3);
@@ -451,19 +456,22 @@ TEST_CASE("decode handles no keys and no queries", "[decode]") {
   REQUIRE(attn::scaled_dot_product_attention(q0, k, v, options).size() == 0);
 }
 
-TEST_CASE("automatic picks decode for few queries", "[decode]") {
-  REQUIRE(attn::detail::resolve_algorithm("f", attn::Algorithm::automatic, false, 1, 8192) ==
-          attn::Algorithm::decode);
-  REQUIRE(attn::detail::resolve_algorithm("f", attn::Algorithm::automatic, false,
-                                          attn::decode_max_queries + 1,
-                                          8192) == attn::Algorithm::flash);
-  REQUIRE_THROWS_WITH(attn::detail::resolve_algorithm("f", attn::Algorithm::decode, true, 1, 8192),
+TEST_CASE("automatic picks decode for few queries", "[decode][isa]") {
+  const auto plan = [](Index q_length, attn::Algorithm algorithm, bool weights) {
+    return attn::plan_attention<float>({1, 8, 8, q_length, 8192, 64, 64}, algorithm, 0, 0, weights,
+                                       "f");
+  };
+  const Index most = attn::decode_max_queries(attn::active_isa());
+  REQUIRE(plan(1, attn::Algorithm::automatic, false).algorithm == attn::Algorithm::decode);
+  REQUIRE(plan(most, attn::Algorithm::automatic, false).algorithm == attn::Algorithm::decode);
+  REQUIRE(plan(most + 1, attn::Algorithm::automatic, false).algorithm == attn::Algorithm::flash);
+  REQUIRE_THROWS_WITH(plan(1, attn::Algorithm::decode, true),
                       Contains("weights were requested with Algorithm::decode"));
 }
 
 // --- KVCache -----------------------------------------------------------------------------
 
-TEST_CASE("KVCache grows geometrically and keeps its tokens", "[kv_cache]") {
+TEST_CASE("KVCache grows geometrically and keeps its tokens", "[kv_cache][isa]") {
   attn::KVCache<float> cache(2, 3, 4, 5, 1);
   std::vector<Index> capacities;
   std::mt19937 rng(1);
@@ -495,7 +503,8 @@ TEST_CASE("KVCache grows geometrically and keeps its tokens", "[kv_cache]") {
   REQUIRE(cache.capacity() == 128);
 }
 
-TEST_CASE("KVCache overflow without growth throws and leaves the cache unchanged", "[kv_cache]") {
+TEST_CASE("KVCache overflow without growth throws and leaves the cache unchanged",
+          "[kv_cache][isa]") {
   attn::KVCache<Eigen::half> cache(2, 1, 4, 4, 4, /*allow_growth=*/false);
   Heads<float> k(2, 1, 3, 4), v(2, 1, 3, 4);
   cache.append(k.cview(), v.cview());
@@ -511,7 +520,7 @@ TEST_CASE("KVCache overflow without growth throws and leaves the cache unchanged
   REQUIRE(cache.capacity() == 16);
 }
 
-TEST_CASE("KVCache validates every argument", "[kv_cache]") {
+TEST_CASE("KVCache validates every argument", "[kv_cache][isa]") {
   REQUIRE_THROWS_WITH((attn::KVCache<float>(0, 1, 4, 4, 8)),
                       "KVCache: (B, Hkv, D, Dv) is [0, 1, 4, 4] and capacity 8: sizes must be "
                       "positive and the capacity >= 0");
@@ -581,7 +590,7 @@ TEST_CASE("KVCache validates every argument", "[kv_cache]") {
 }
 
 TEMPLATE_TEST_CASE("KVCache::attend equals attention on each sequence, ragged and not",
-                   "[kv_cache]", float, double, Eigen::half, Eigen::bfloat16) {
+                   "[kv_cache][isa]", float, double, Eigen::half, Eigen::bfloat16) {
   using S = TestType;
   using C = typename attn::KVCache<S>::compute_type;
   std::mt19937 rng(2);
@@ -628,7 +637,7 @@ TEMPLATE_TEST_CASE("KVCache::attend equals attention on each sequence, ragged an
 // --- MultiHeadAttention::forward_incremental -------------------------------------------
 
 TEMPLATE_TEST_CASE("decoding token by token through MultiHeadAttention equals the causal forward",
-                   "[kv_cache][multihead]", float, double) {
+                   "[kv_cache][multihead][isa]", float, double) {
   using T = TestType;
   const double rtol = std::is_same_v<T, float> ? 1e-5 : 1e-12;
   for (const Index kv_heads : {4, 2, 1}) {
@@ -685,7 +694,7 @@ TEMPLATE_TEST_CASE("decoding token by token through MultiHeadAttention equals th
   }
 }
 
-TEST_CASE("forward_incremental with a half cache and its errors", "[kv_cache][multihead]") {
+TEST_CASE("forward_incremental with a half cache and its errors", "[kv_cache][multihead][isa]") {
   attn::MultiHeadAttentionConfig config;
   config.embed_dim = 32;
   config.num_heads = 4;

@@ -134,8 +134,8 @@ struct MhaCase {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("MultiHeadAttention matches torch.nn.MultiheadAttention", "[multihead]", float,
-                   double) {
+TEMPLATE_TEST_CASE("MultiHeadAttention matches torch.nn.MultiheadAttention", "[multihead][isa]",
+                   float, double) {
   using T = TestType;
   const double rtol = mha_tolerance<T>();
   for (const json& c : attn_test::fixture("mha.json").at("cases")) {
@@ -202,7 +202,7 @@ TEMPLATE_TEST_CASE("MultiHeadAttention matches torch.nn.MultiheadAttention", "[m
   }
 }
 
-TEMPLATE_TEST_CASE("fused and separate QKV projections agree", "[projection]", float, double) {
+TEMPLATE_TEST_CASE("fused and separate QKV projections agree", "[projection][isa]", float, double) {
   using T = TestType;
   const Index E = 48, B = 3, S = 11;
   const auto fused = attn::QKVProjection<T>::make(E, E, E, E, /*bias=*/true, /*seed=*/7);
@@ -247,8 +247,8 @@ TEMPLATE_TEST_CASE("fused and separate QKV projections agree", "[projection]", f
   }
 }
 
-TEMPLATE_TEST_CASE("QKVProjection with different widths (cross-attention)", "[projection]", float,
-                   double) {
+TEMPLATE_TEST_CASE("QKVProjection with different widths (cross-attention)", "[projection][isa]",
+                   float, double) {
   using T = TestType;
   // Dk = 8 differs from Dv = 12 and from the input widths 20 / 24 / 28.
   const auto p = attn::QKVProjection<T>::make(20, 8, 8, 12, true, 3, 24, 28);
@@ -269,7 +269,8 @@ TEMPLATE_TEST_CASE("QKVProjection with different widths (cross-attention)", "[pr
                       "[20, 24, 28]: fusing needs one input width");
 }
 
-TEMPLATE_TEST_CASE("Linear on a matrix and on a (B, S, in) batch", "[projection]", float, double) {
+TEMPLATE_TEST_CASE("Linear on a matrix and on a (B, S, in) batch", "[projection][isa]", float,
+                   double) {
   using T = TestType;
   const attn::Matrix<T> w = random_matrix<T>(6, 5, 4);
   attn::Vector<T> b(5);

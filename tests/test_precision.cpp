@@ -101,21 +101,6 @@ std::vector<double> reference_attention(const Heads<SQ>& q, const Heads<SKV>& k,
   return out.data;
 }
 
-const char* algorithm_name(attn::Algorithm algorithm) {
-  switch (algorithm) {
-    case attn::Algorithm::naive:
-      return "naive";
-    case attn::Algorithm::chunked:
-      return "chunked";
-    case attn::Algorithm::flash:
-      return "flash";
-    case attn::Algorithm::decode:
-      return "decode";
-    default:
-      return "automatic";
-  }
-}
-
 constexpr attn::Algorithm all_algorithms[] = {attn::Algorithm::naive, attn::Algorithm::chunked,
                                               attn::Algorithm::flash, attn::Algorithm::decode};
 
@@ -199,16 +184,17 @@ attn::StateDict<U> rounded_state(const attn::MultiHeadAttentionConfig& config) {
 
 }  // namespace
 
-TEST_CASE("half storage: every algorithm within twice the plain 16-bit error", "[precision]") {
+TEST_CASE("half storage: every algorithm within twice the plain 16-bit error", "[precision][isa]") {
   check_16bit_storage<Eigen::half>("half");
 }
 
-TEST_CASE("bfloat16 storage: every algorithm within twice the plain 16-bit error", "[precision]") {
+TEST_CASE("bfloat16 storage: every algorithm within twice the plain 16-bit error",
+          "[precision][isa]") {
   check_16bit_storage<Eigen::bfloat16>("bfloat16");
 }
 
 TEST_CASE("float queries against half keys and values (decoding from a 16-bit cache)",
-          "[precision]") {
+          "[precision][isa]") {
   std::mt19937 rng(7);
   const Index batch = 1, q_heads = 8, kv_heads = 2, k_length = 513, dim = 64;
   for (const Index q_length : {Index(1), Index(5), Index(130)}) {
@@ -231,7 +217,7 @@ TEST_CASE("float queries against half keys and values (decoding from a 16-bit ca
   }
 }
 
-TEST_CASE("tensor API: half inputs, half or float output", "[precision]") {
+TEST_CASE("tensor API: half inputs, half or float output", "[precision][isa]") {
   std::mt19937 rng(11);
   attn::Tensor<Eigen::half, 4> q(1, 2, 9, 16), k(1, 2, 20, 16), v(1, 2, 20, 8);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -258,7 +244,7 @@ TEST_CASE("tensor API: half inputs, half or float output", "[precision]") {
 }
 
 TEST_CASE("long context: float accumulation stays accurate where fp16 accumulation fails",
-          "[precision]") {
+          "[precision][isa]") {
   // One query against 16384 half keys and values. The softmax denominator grows to
   // thousands, where fp16's spacing exceeds 1, and the weighted value sum loses its low
   // digits: an fp16 accumulator (what a 16-bit-only kernel does) is visibly wrong.
@@ -316,7 +302,7 @@ TEST_CASE("long context: float accumulation stays accurate where fp16 accumulati
   CHECK(fp16_error > 20 * error);
 }
 
-TEMPLATE_TEST_CASE("widen: every 16-bit pattern converts exactly", "[precision]", Eigen::half,
+TEMPLATE_TEST_CASE("widen: every 16-bit pattern converts exactly", "[precision][isa]", Eigen::half,
                    Eigen::bfloat16) {
   // All 65536 bit patterns (zeros, subnormals, infinities, NaNs), at an odd offset so that
   // the vector loop and the scalar tail both run on unaligned data.
@@ -324,20 +310,26 @@ TEMPLATE_TEST_CASE("widen: every 16-bit pattern converts exactly", "[precision]"
   for (std::uint32_t bits = 0; bits < 65536; ++bits) {
     source[bits + 3] = Eigen::numext::bit_cast<TestType>(static_cast<std::uint16_t>(bits));
   }
-  std::vector<float> widened(source.size());
-  attn::detail::widen(source.data() + 3, widened.data() + 3, 65536);
-  for (std::size_t i = 3; i < source.size(); ++i) {
-    const float expected = static_cast<float>(source[i]);
-    if (std::isnan(expected)) {
-      CHECK(std::isnan(widened[i]));
-    } else {
-      CHECK(widened[i] == expected);
-      CHECK(std::signbit(widened[i]) == std::signbit(expected));
+  for (const attn::Isa isa : attn::all_isas) {
+    if (!attn::isa_supported(isa))
+      continue;
+    INFO(attn::isa_name(isa));
+    const attn::ScopedIsa forced(isa);
+    std::vector<float> widened(source.size());
+    attn::detail::widen(source.data() + 3, widened.data() + 3, 65536);
+    std::size_t wrong = 0;
+    for (std::size_t i = 3; i < source.size(); ++i) {
+      const float expected = static_cast<float>(source[i]);
+      const bool same = std::isnan(expected) ? std::isnan(widened[i])
+                                             : widened[i] == expected && std::signbit(widened[i]) ==
+                                                                             std::signbit(expected);
+      wrong += same ? 0 : 1;
     }
+    CHECK(wrong == 0);
   }
 }
 
-TEMPLATE_TEST_CASE("Linear with 16-bit weights: a float GEMM, rounded once", "[precision]",
+TEMPLATE_TEST_CASE("Linear with 16-bit weights: a float GEMM, rounded once", "[precision][isa]",
                    Eigen::half, Eigen::bfloat16) {
   std::mt19937 rng(3);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -368,7 +360,7 @@ TEMPLATE_TEST_CASE("Linear with 16-bit weights: a float GEMM, rounded once", "[p
   CHECK_THROWS_AS(narrow(attn::Matrix<TestType>(rows, in + 1)), std::invalid_argument);
 }
 
-TEMPLATE_TEST_CASE("MultiHeadAttention with 16-bit weights and activations", "[precision]",
+TEMPLATE_TEST_CASE("MultiHeadAttention with 16-bit weights and activations", "[precision][isa]",
                    Eigen::half, Eigen::bfloat16) {
   // The float layer on the same (16-bit) weights and inputs is the reference; the 16-bit
   // layer rounds its projections, attention output and result to 16 bits, so it may differ
@@ -436,7 +428,7 @@ TEMPLATE_TEST_CASE("MultiHeadAttention with 16-bit weights and activations", "[p
 }
 
 TEST_CASE("mixed storage: an output overlapping an input of another scalar is refused",
-          "[precision]") {
+          "[precision][isa]") {
   // float q and a half out over the same bytes: no kernel can compute that in place.
   std::vector<float> q(2 * 8, 0.5f);
   const std::vector<Eigen::half> k(3 * 8, Eigen::half(0.25f)), v(3 * 8, Eigen::half(1.0f));
@@ -456,7 +448,7 @@ TEST_CASE("mixed storage: an output overlapping an input of another scalar is re
 }
 
 TEMPLATE_TEST_CASE("a 16-bit MultiHeadAttention decodes token by token like its causal forward",
-                   "[precision][kv_cache][multihead]", Eigen::half, Eigen::bfloat16) {
+                   "[precision][kv_cache][multihead][isa]", Eigen::half, Eigen::bfloat16) {
   // Same 16-bit module both ways: the projections and the attention output are rounded to
   // 16 bits once each either way, so the two may differ only where a float sum in another
   // order (decode or flash, GEMMs of other sizes) rounds to a neighbouring 16-bit value.

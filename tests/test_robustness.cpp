@@ -67,7 +67,7 @@ bool same_bits(const T* a, const T* b, Index n) {
 }  // namespace
 
 TEMPLATE_TEST_CASE("fuzz regression: a key the keep-mask hides is excluded whatever its bias",
-                   "[robustness][fuzz]", float, double) {
+                   "[robustness][fuzz][isa]", float, double) {
   // Found by fuzz_attention: the keep-mask wrote -inf and the bias was added after it, so a
   // hidden key with a +inf (or NaN) bias turned the score into NaN and the row into NaN.
   using T = TestType;
@@ -86,7 +86,7 @@ TEMPLATE_TEST_CASE("fuzz regression: a key the keep-mask hides is excluded whate
   attn::Matrix<T> clean_bias = bias;
   clean_bias(0, 1) = clean_bias(1, 2) = clean_bias(2, 4) = T(0);
   for (const attn::Algorithm algorithm : all_algorithms) {
-    INFO(attn::detail::algorithm_name(algorithm));
+    INFO(attn::algorithm_name(algorithm));
     attn::AttentionOptions<T> options = with<T>(algorithm, 2, 2);
     options.keep_mask = keep;
     options.bias = bias;
@@ -102,11 +102,11 @@ TEMPLATE_TEST_CASE("fuzz regression: a key the keep-mask hides is excluded whate
 }
 
 TEMPLATE_TEST_CASE("empty batches, queries, keys and value dims are defined in every kernel",
-                   "[robustness][edge]", float, double) {
+                   "[robustness][edge][isa]", float, double) {
   using T = TestType;
   const T minus_inf = -std::numeric_limits<T>::infinity();
   for (const attn::Algorithm algorithm : all_algorithms) {
-    INFO(attn::detail::algorithm_name(algorithm));
+    INFO(attn::algorithm_name(algorithm));
     const attn::AttentionOptions<T> options = with<T>(algorithm, 3, 2);
     attn::Tensor<T, 3> lse;
     // B = 0: an empty result of the right shape.
@@ -154,7 +154,7 @@ TEMPLATE_TEST_CASE("empty batches, queries, keys and value dims are defined in e
               .size() == 0);
 }
 
-TEMPLATE_TEST_CASE("D = 1 matches the closed form", "[robustness][edge]", float, double) {
+TEMPLATE_TEST_CASE("D = 1 matches the closed form", "[robustness][edge][isa]", float, double) {
   // One query q = 2 against keys 0 and 1 (scale 1): weights 1 / (1 + e^2) and e^2 / (1 + e^2).
   using T = TestType;
   attn::Matrix<T> q(1, 1), k(2, 1), v(2, 2);
@@ -163,7 +163,7 @@ TEMPLATE_TEST_CASE("D = 1 matches the closed form", "[robustness][edge]", float,
   v << T(1), T(-1), T(3), T(5);
   const double w1 = std::exp(2.0) / (1 + std::exp(2.0)), w0 = 1 - w1;
   for (const attn::Algorithm algorithm : all_algorithms) {
-    INFO(attn::detail::algorithm_name(algorithm));
+    INFO(attn::algorithm_name(algorithm));
     attn::AttentionOptions<T> options = with<T>(algorithm);
     options.scale = T(1);
     attn::Vector<T> lse;
@@ -178,7 +178,7 @@ TEMPLATE_TEST_CASE("D = 1 matches the closed form", "[robustness][edge]", float,
   }
 }
 
-TEMPLATE_TEST_CASE("a single query against 100000 keys", "[robustness][edge]", float, double) {
+TEMPLATE_TEST_CASE("a single query against 100000 keys", "[robustness][edge][isa]", float, double) {
   using T = TestType;
   constexpr Index keys = 100000;
   const attn::Matrix<T> v = random_matrix<T>(keys, 3, 5u);
@@ -190,7 +190,7 @@ TEMPLATE_TEST_CASE("a single query against 100000 keys", "[robustness][edge]", f
   attn::Matrix<T> k_peak = k;
   k_peak.row(keys - 7).setConstant(T(20));  // q . k = 80, scale 1/2: logit 40
   for (const attn::Algorithm algorithm : all_algorithms) {
-    INFO(attn::detail::algorithm_name(algorithm));
+    INFO(attn::algorithm_name(algorithm));
     const attn::AttentionOptions<T> options = with<T>(algorithm);
     attn::Vector<T> lse;
     attn::Matrix<T> out = attn::scaled_dot_product_attention(q, k, v, options, nullptr, &lse);
@@ -209,7 +209,7 @@ TEMPLATE_TEST_CASE("a single query against 100000 keys", "[robustness][edge]", f
 }
 
 TEMPLATE_TEST_CASE("misaligned and strided views give the contiguous result",
-                   "[robustness][layout]", float, double) {
+                   "[robustness][layout][isa]", float, double) {
   using T = TestType;
   const Index B = 2, H = 2, L = 37, D = 9, Dv = 5, pad = 3;
   const attn::Tensor<T, 4> q = random_tensor<T>(B, H, L, D, 11u),
@@ -231,7 +231,7 @@ TEMPLATE_TEST_CASE("misaligned and strided views give the contiguous result",
   std::vector<T> qb, kb, vb;
   const attn::HeadsView<const T> qs = strided(q, qb), ks = strided(k, kb), vs = strided(v, vb);
   for (const attn::Algorithm algorithm : all_algorithms) {
-    INFO(attn::detail::algorithm_name(algorithm));
+    INFO(attn::algorithm_name(algorithm));
     attn::AttentionOptions<T> options = with<T>(algorithm, 8, 16);
     options.causal = attn::Causal::top_left;
     const attn::Tensor<T, 4> expected = attn::scaled_dot_product_attention(q, k, v, options);
@@ -265,14 +265,14 @@ TEMPLATE_TEST_CASE("misaligned and strided views give the contiguous result",
 }
 
 TEMPLATE_TEST_CASE("output aliasing: in place over q works, any other overlap throws",
-                   "[robustness][aliasing]", float, double) {
+                   "[robustness][aliasing][isa]", float, double) {
   using T = TestType;
   const Index B = 2, H = 4, Hkv = 2, L = 21, D = 8;
   const attn::Tensor<T, 4> q = random_tensor<T>(B, H, L, D, 21u),
                            k = random_tensor<T>(B, Hkv, L, D, 22u),
                            v = random_tensor<T>(B, Hkv, L, D, 23u);
   for (const attn::Algorithm algorithm : all_algorithms) {
-    INFO(attn::detail::algorithm_name(algorithm));
+    INFO(attn::algorithm_name(algorithm));
     attn::AttentionOptions<T> options = with<T>(algorithm, 4, 8);
     options.causal = attn::Causal::top_left;
     const attn::Tensor<T, 4> expected = attn::scaled_dot_product_attention(q, k, v, options);
@@ -325,11 +325,12 @@ TEMPLATE_TEST_CASE("output aliasing: in place over q works, any other overlap th
       "with q, k and v");
 }
 
-TEMPLATE_TEST_CASE("subnormal inputs and all-equal logits", "[robustness][edge]", float, double) {
+TEMPLATE_TEST_CASE("subnormal inputs and all-equal logits", "[robustness][edge][isa]", float,
+                   double) {
   using T = TestType;
   const T tiny = std::numeric_limits<T>::denorm_min() * T(3);
   for (const attn::Algorithm algorithm : all_algorithms) {
-    INFO(attn::detail::algorithm_name(algorithm));
+    INFO(attn::algorithm_name(algorithm));
     const attn::AttentionOptions<T> options = with<T>(algorithm, 2, 3);
     // Subnormal q and k: logits (about 0) equal, weights exactly uniform over 4 keys (1/4 is
     // exact), out the mean of v; subnormal v passes through as the mean of subnormals.
@@ -358,7 +359,7 @@ TEMPLATE_TEST_CASE("subnormal inputs and all-equal logits", "[robustness][edge]"
 }
 
 TEMPLATE_TEST_CASE("infinities in q or k: -inf logits hide keys, +inf and inf - inf give NaN",
-                   "[robustness][nan]", float, double) {
+                   "[robustness][nan][isa]", float, double) {
   // The rule (README, "Error contract"): a logit of -inf hides its key like a mask; a logit
   // of +inf or NaN (inf * 0, inf - inf) makes the row NaN; rows not reached stay finite.
   using T = TestType;
@@ -372,7 +373,7 @@ TEMPLATE_TEST_CASE("infinities in q or k: -inf logits hide keys, +inf and inf - 
       T(-2), -inf;   // key 2: -2 q_0 - inf q_1 = -inf for rows 0 and 2
   v << T(10), T(20), T(30);
   for (const attn::Algorithm algorithm : all_algorithms) {
-    INFO(attn::detail::algorithm_name(algorithm));
+    INFO(attn::algorithm_name(algorithm));
     attn::AttentionOptions<T> options = with<T>(algorithm, 2, 2);
     options.scale = T(1);
     const attn::Matrix<T> out = attn::scaled_dot_product_attention(q, k, v, options);
@@ -386,7 +387,7 @@ TEMPLATE_TEST_CASE("infinities in q or k: -inf logits hide keys, +inf and inf - 
 }
 
 TEST_CASE("wrong shapes: every public entry point names itself and the shapes",
-          "[robustness][errors]") {
+          "[robustness][errors][isa]") {
   // The gaps left by the per-header test files (which test most messages exactly).
   const attn::Matrix<float> a = attn::Matrix<float>::Ones(3, 4),
                             b = attn::Matrix<float>::Ones(5, 3);
@@ -444,7 +445,7 @@ TEST_CASE("wrong shapes: every public entry point names itself and the shapes",
 }
 
 TEST_CASE("threads calling attention and a shared const MultiHeadAttention concurrently",
-          "[robustness][threads]") {
+          "[robustness][threads][isa]") {
   // Every entry point is reentrant: calls share no mutable state (workspaces are local).
   // Run under ThreadSanitizer in CI (scripts/tsan.sh); here the results must match the
   // sequential ones bit for bit.
@@ -504,7 +505,7 @@ TEST_CASE("threads calling attention and a shared const MultiHeadAttention concu
 }
 
 TEMPLATE_TEST_CASE("same inputs, same bits: repeated calls and 1 or 2 OpenMP threads",
-                   "[robustness][determinism]", float, double) {
+                   "[robustness][determinism][isa]", float, double) {
   // test_kernels.cpp checks chunked and flash (and test_linear_attention.cpp linear
   // attention) with 1 and 2 threads on one shape; this adds naive, repeated calls, masks
   // with a bias and GQA, for every kernel.

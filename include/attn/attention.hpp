@@ -19,70 +19,25 @@
 #pragma once
 
 #include <cmath>
-#include <cstdint>
 #include <optional>
 #include <string>
 #include <type_traits>
-#include <vector>
 
 #include <Eigen/Core>
 
 #include "attn/config.hpp"
+#include "attn/cpu.hpp"
 #include "attn/kernels/chunked.hpp"
 #include "attn/kernels/decode.hpp"
 #include "attn/kernels/flash.hpp"
-#include "attn/kernels/flash_avx512.hpp"
 #include "attn/kernels/naive.hpp"
 #include "attn/mask.hpp"
+#include "attn/options.hpp"
+#include "attn/plan.hpp"
 #include "attn/precision.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn {
-
-/// Which kernel computes the attention.
-///
-/// Extra memory per thread: naive (Lq, Lk); chunked (query_tile, Lk); flash
-/// query_tile * (D + key_tile + Dv + 3), independent of the sequence lengths; decode
-/// G * Lq * (D + 64 + Dv + 3) per thread plus ceil(Lk / 512) * G * Lq * (Dv + 2) per
-/// (b, kv head) per call, G = Hq / Hkv (kernels/decode.hpp). Automatic picks decode for
-/// Lq <= decode_max_queries. Only naive can return the attention weights: asking chunked or flash
-/// for them throws std::invalid_argument (automatic falls back to naive when weights are
-/// requested).
-enum class Algorithm : std::uint8_t {
-  automatic,  ///< flash, or naive when weights are requested or the problem is tiny
-  naive,      ///< materialises the (Lq, Lk) scores; the only one that returns weights
-  chunked,    ///< query blocks of query_tile rows against all their visible keys
-  flash,      ///< query tiles x key tiles with an online softmax; never holds (Lq, Lk)
-  decode,     ///< few queries, many keys: a GQA group per tile, keys split across threads
-};
-
-/// Default tile sizes, chosen by measurement (bench/bench_attention.cpp, float, D = 64).
-inline constexpr Index default_query_tile = 128;
-inline constexpr Index default_key_tile = 256;
-inline constexpr Index default_chunk_rows = 64;
-
-/// Everything about an attention call except the tensors.
-template <class T>
-struct AttentionOptions {
-  std::optional<T> scale;          ///< multiplies q k^T; default 1/sqrt(D)
-  Causal causal = Causal::none;    ///< causal mask and its alignment
-  Window window{};                 ///< sliding window (left, right); -1 = unbounded
-  std::vector<Index> key_lengths;  ///< (B) valid keys per batch entry; empty = all
-  Broadcast<bool> keep_mask;       ///< broadcastable to (B, Hq, Lq, Lk); true = may attend
-  Broadcast<T> bias;               ///< broadcastable to (B, Hq, Lq, Lk); added to scores
-  /// (Hq) ALiBi slopes, e.g. alibi_slopes<T>(Hq); empty = no ALiBi. Adds
-  /// -slope[h] * |i + offset - j| (attn/score_modifiers.hpp).
-  std::vector<T> alibi_slopes;
-  /// Logit soft-capping: scores become softcap * tanh(scores / softcap) before the ALiBi
-  /// term, the bias and the mask; must be > 0. Gemma 2 uses 50.
-  std::optional<T> softcap;
-  Algorithm algorithm = Algorithm::automatic;
-  /// Query rows per work item of chunked and flash; 0 = default_chunk_rows (chunked) or
-  /// default_query_tile (flash).
-  Index query_tile = 0;
-  /// Keys per tile of flash; 0 = default_key_tile.
-  Index key_tile = 0;
-};
 
 namespace detail {
 
@@ -112,41 +67,6 @@ void check_attention_shapes(const char* function, const HeadsView<const TQ>& q,
   }
 }
 
-/// Problems with at most this many scores per head go to naive under Algorithm::automatic.
-inline constexpr Index tiny_problem_scores = 64 * 64;
-
-inline const char* algorithm_name(Algorithm algorithm) {
-  switch (algorithm) {
-    case Algorithm::automatic:
-      return "automatic";
-    case Algorithm::naive:
-      return "naive";
-    case Algorithm::chunked:
-      return "chunked";
-    case Algorithm::flash:
-      return "flash";
-    case Algorithm::decode:
-      return "decode";
-  }
-  return "unknown";
-}
-
-/// The kernel that will run: automatic resolved, weights checked against the choice.
-inline Algorithm resolve_algorithm(const char* function, Algorithm requested, bool wants_weights,
-                                   Index q_length, Index k_length) {
-  if (requested == Algorithm::automatic) {
-    if (wants_weights || q_length * k_length <= tiny_problem_scores)
-      return Algorithm::naive;
-    return q_length <= decode_max_queries ? Algorithm::decode : Algorithm::flash;
-  }
-  if (wants_weights && requested != Algorithm::naive) {
-    throw_invalid_argument(function, std::string("weights were requested with Algorithm::") +
-                                         algorithm_name(requested) +
-                                         ": only Algorithm::naive (or automatic) returns them");
-  }
-  return requested;
-}
-
 template <class T>
 T resolve_scale(const char* function, const std::optional<T>& scale, Index dim) {
   if (!scale)
@@ -156,10 +76,6 @@ T resolve_scale(const char* function, const std::optional<T>& scale, Index dim) 
   }
   return *scale;
 }
-
-}  // namespace detail
-
-namespace detail {
 
 /// The implementation of scaled_dot_product_attention_into for q stored as TQ, k and v as
 /// TKV and out as TO; the arithmetic runs in T = compute_scalar_t<TQ>. 16-bit operands are
@@ -193,147 +109,22 @@ void attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
                      options.key_lengths, options.keep_mask, options.bias, options.alibi_slopes,
                      options.softcap);
 
-  const Algorithm algorithm =
-      resolve_algorithm(function, options.algorithm, weights != nullptr, q.length, k.length);
-  if (options.query_tile < 0 || options.key_tile < 0) {
-    throw_invalid_argument(function, "query_tile is " + std::to_string(options.query_tile) +
-                                         " and key_tile is " + std::to_string(options.key_tile) +
-                                         ": tile sizes must be >= 0 (0 = default)");
+  const KernelPlan plan = plan_attention<T>(
+      {q.batch, q.heads, k.heads, q.length, k.length, q.dim, v.dim}, options.algorithm,
+      options.query_tile, options.key_tile, weights != nullptr, function);
+  switch (plan.algorithm) {
+    case Algorithm::naive:
+      return run_naive(plan, q, k, v, out, mask, scale, weights, logsumexp);
+    case Algorithm::chunked:
+      return run_chunked(plan, q, k, v, out, mask, scale, logsumexp);
+    case Algorithm::flash:
+      return run_flash(plan, q, k, v, out, mask, scale, logsumexp);
+    case Algorithm::decode:
+      return run_decode(plan, q, k, v, out, mask, scale, logsumexp);
+    case Algorithm::automatic:
+      break;
   }
-
-  const Index batch = q.batch, q_heads = q.heads, q_length = q.length, k_length = k.length;
-  const Index group = k.heads == 0 ? 1 : q_heads / k.heads;  // query heads per kv head
-  const double flops = 2.0 * static_cast<double>(q_length * k_length) *
-                       static_cast<double>(q.dim + v.dim) * static_cast<double>(batch * q_heads);
-  (void)flops;
-
-  if (algorithm == Algorithm::naive) {
-    const Index work_items = batch * q_heads;
-#if ATTN_HAS_OPENMP
-#pragma omp parallel if (work_items > 1 && flops > 1e6)
-#endif
-    {
-      Matrix<T> workspace;  // one per thread, reused across heads
-      WidenedHead<T, TQ> q_head;
-      WidenedHead<T, TKV> k_head, v_head;
-      NarrowedRows<T, TO> out_rows;
-#if ATTN_HAS_OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-      for (Index item = 0; item < work_items; ++item) {
-        const Index b = item / q_heads;
-        const Index h = item % q_heads;
-        T* head_weights = weights != nullptr ? weights + item * q_length * k_length : nullptr;
-        T* head_lse = logsumexp != nullptr ? logsumexp + item * q_length : nullptr;
-        naive_attention_head<T>(q_head(q, b, h), k_head(k, b, h / group), v_head(v, b, h / group),
-                                out_rows.rows(out.head(b, h), 0, q_length), mask, b, h, scale,
-                                workspace, head_weights, head_lse);
-        out_rows.store(out.head(b, h), 0, q_length);
-      }
-    }
-    return;
-  }
-
-  if (algorithm == Algorithm::decode) {
-    // Few query rows: 16-bit q and out are widened and narrowed whole, (B, Hq, Lq, D + Dv).
-    std::vector<T> q_wide, out_wide;
-    HeadsView<const T> q_view;
-    HeadsView<T> out_view;
-    if constexpr (std::is_same_v<TQ, T>) {
-      q_view = q;
-    } else {
-      q_wide.resize(static_cast<std::size_t>(batch * q_heads * q_length * q.dim));
-      q_view = bhld_view(static_cast<const T*>(q_wide.data()), batch, q_heads, q_length, q.dim);
-      for (Index b = 0; b < batch; ++b) {
-        for (Index h = 0; h < q_heads; ++h) {
-          for (Index i = 0; i < q_length; ++i)
-            widen(q.head(b, h).row(i).data(),
-                  q_wide.data() + ((b * q_heads + h) * q_length + i) * q.dim, q.dim);
-        }
-      }
-    }
-    if constexpr (std::is_same_v<TO, T>) {
-      out_view = out;
-    } else {
-      out_wide.resize(static_cast<std::size_t>(batch * q_heads * q_length * v.dim));
-      out_view = bhld_view(out_wide.data(), batch, q_heads, q_length, v.dim);
-    }
-    decode_attention<T, TKV>(q_view, k, v, out_view, mask, scale, logsumexp);
-    if constexpr (!std::is_same_v<TO, T>) {
-      for (Index b = 0; b < batch; ++b) {
-        for (Index h = 0; h < q_heads; ++h)
-          out.head(b, h) = out_view.head(b, h).template cast<TO>();
-      }
-    }
-    return;
-  }
-
-  // chunked and flash: work items are (b, h, query tile). Each item is computed by one
-  // thread in the same way whatever the thread count, so results are bitwise identical for
-  // any number of threads. Items are handed out dynamically, last query tile first: under
-  // a top-left causal mask the last tiles carry the most work.
-  const bool flash = algorithm == Algorithm::flash;
-  const Index query_tile = options.query_tile > 0
-                               ? options.query_tile
-                               : (flash ? default_query_tile : default_chunk_rows);
-  const Index key_tile = options.key_tile > 0 ? options.key_tile : default_key_tile;
-  const Index q_tiles = q_length == 0 ? 0 : (q_length + query_tile - 1) / query_tile;
-  const Index work_items = batch * q_heads * q_tiles;
-  constexpr bool widens_kv = !std::is_same_v<TKV, T>;
-#if ATTN_HAS_OPENMP
-#pragma omp parallel if (work_items > 1 && flops > 1e6)
-#endif
-  {
-    // One workspace per thread, allocated once per call.
-    FlashWorkspace<T> flash_workspace;
-#if ATTN_HAS_AVX512_FLASH
-    avx512::FlashWorkspace avx512_workspace;
-#endif
-    Matrix<T> chunk_workspace, q_rows_buffer;
-    WidenedHead<T, TKV> k_head, v_head;  // chunked only: flash widens k and v tile by tile
-    NarrowedRows<T, TO> out_rows;
-    if (flash) {
-      const Index rows = std::min(query_tile, q_length), keys = std::min(key_tile, k_length);
-#if ATTN_HAS_AVX512_FLASH
-      if constexpr (std::is_same_v<T, float>)
-        avx512_workspace.reserve(rows, keys, q.dim, v.dim, widens_kv);
-      else
-#endif
-        flash_workspace.reserve(rows, keys, q.dim, v.dim, widens_kv);
-    }
-#if ATTN_HAS_OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-    for (Index item = 0; item < work_items; ++item) {
-      const Index head_item = item / q_tiles;  // b * Hq + h
-      const Index b = head_item / q_heads;
-      const Index h = head_item % q_heads;
-      const Index tile = q_tiles - 1 - item % q_tiles;
-      const Index i0 = tile * query_tile;
-      const Index rows = std::min(i0 + query_tile, q_length) - i0;
-      T* tile_lse = logsumexp != nullptr ? logsumexp + head_item * q_length + i0 : nullptr;
-      const HeadMatrix<const T> q_rows = rows_as<T, TQ>(q.head(b, h), i0, rows, q_rows_buffer);
-      const HeadMatrix<T> tile_out = out_rows.rows(out.head(b, h), i0, rows);
-      if (flash) {
-#if ATTN_HAS_AVX512_FLASH
-        if constexpr (std::is_same_v<T, float>) {
-          avx512::flash_attention_tile<TKV>(
-              q_rows, k.head(b, h / group), v.head(b, h / group), tile_out, mask, b, h, scale, i0,
-              std::min(key_tile, k_length), avx512_workspace, tile_lse);
-        } else
-#endif
-        {
-          flash_attention_tile<T, TKV>(q_rows, k.head(b, h / group), v.head(b, h / group), tile_out,
-                                       mask, b, h, scale, i0, std::min(key_tile, k_length),
-                                       flash_workspace, tile_lse);
-        }
-      } else {
-        chunked_attention_block<T>(q_rows, k_head(k, b, h / group), v_head(v, b, h / group),
-                                   tile_out, mask, b, h, scale, i0, chunk_workspace, tile_lse);
-      }
-      out_rows.store(out.head(b, h), i0, rows);
-    }
-  }
+  ATTN_ASSERT(false);
 }
 
 }  // namespace detail

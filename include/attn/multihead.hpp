@@ -616,15 +616,17 @@ class MultiHeadAttention {
   static void project_rows(const Tensor<T, 3>& x, const W& w, const T* bias, T* y,
                            Index rows_per_batch, Index row_stride) {
     const Index batch = x.dimension(0), length = x.dimension(1), in = x.dimension(2);
+    const ConstRowsMap<T> weight(w.data(), w.rows(), w.cols(),
+                                 Eigen::OuterStride<>(w.outerStride()));
     if (rows_per_batch == length) {
       detail::linear_into<T>(
-          detail::rows_of(x), w, bias,
+          detail::rows_of(x), weight, bias,
           RowsMap<T>(y, batch * length, w.cols(), Eigen::OuterStride<>(row_stride)));
       return;
     }
     for (Index b = 0; b < batch; ++b) {
       detail::linear_into<T>(
-          ConstRowsMap<T>(x.data() + b * length * in, length, in, Eigen::OuterStride<>(in)), w,
+          ConstRowsMap<T>(x.data() + b * length * in, length, in, Eigen::OuterStride<>(in)), weight,
           bias,
           RowsMap<T>(y + b * rows_per_batch * row_stride, length, w.cols(),
                      Eigen::OuterStride<>(row_stride)));

@@ -14,13 +14,13 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include <Eigen/Core>
 
 #include "attn/config.hpp"
+#include "attn/cpu.hpp"
+#include "attn/kernels/generic.hpp"
+#include "attn/kernels/simd/avx2.hpp"
+#include "attn/kernels/simd/avx512.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn {
@@ -41,59 +41,22 @@ using compute_scalar_t = std::conditional_t<is_16bit_scalar_v<S>, float, S>;
 
 namespace detail {
 
-#if defined(__AVX512F__)
-/// src[0:16) as 16 floats in a register: the widening of widen() below, and what the
-/// AVX-512 decode products use to widen K and V without a buffer.
-inline __m512 load_widened(const float* src) {
-  return _mm512_loadu_ps(src);
-}
-inline __m512 load_widened(const Eigen::half* src) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-}
-/// bfloat16 is the upper half of a float's bits: widening is a 16-bit shift.
-inline __m512 load_widened(const Eigen::bfloat16* src) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-#endif
-
-/// dst[0:n) = src[0:n) widened to float. Eigen 3.4's cast<float>() of half converts one
-/// scalar at a time (about 1 ns per element here); the vector conversions below do 16 per
-/// instruction, which is what keeps 16-bit k/v within a few percent of float in flash.
-inline void widen(const Eigen::half* src, float* dst, Index n) {
-  Index i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i, load_widened(src + i));
-#elif defined(__F16C__)
-  for (; i + 8 <= n; i += 8) {
-    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(bits));
+/// dst[0:n) = src[0:n) widened to float (exact), with the vector conversions of the active
+/// instruction set (attn/cpu.hpp): Eigen 3.4's cast<float>() of half converts one scalar at a
+/// time (about 1 ns per element), a vector conversion 8 or 16 per instruction.
+template <class S, class = std::enable_if_t<is_16bit_scalar_v<S>>>
+void widen(const S* src, float* dst, Index n) {
+#if ATTN_X86_DISPATCH
+  switch (active_isa()) {
+    case Isa::avx512:
+      return avx512::widen(src, dst, n);
+    case Isa::avx2:
+      return avx2::widen(src, dst, n);
+    case Isa::generic:
+      break;
   }
 #endif
-  for (; i < n; ++i)
-    dst[i] = static_cast<float>(src[i]);
-}
-
-/// bfloat16 widened like half (the shift of load_widened, or of 8 lanes with AVX2).
-inline void widen(const Eigen::bfloat16* src, float* dst, Index n) {
-  Index i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i, load_widened(src + i));
-#elif defined(__AVX2__)
-  for (; i + 8 <= n; i += 8) {
-    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_ps(dst + i,
-                     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)));
-  }
-#endif
-  for (; i < n; ++i) {
-    std::uint16_t bits;
-    std::memcpy(&bits, src + i, sizeof bits);
-    const std::uint32_t widened = static_cast<std::uint32_t>(bits) << 16;
-    std::memcpy(dst + i, &widened, sizeof widened);
-  }
+  generic::widen(src, dst, n);
 }
 
 /// Rows [first, first + count) of `m` in the compute scalar T: `m` itself when S is T (no

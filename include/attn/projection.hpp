@@ -26,7 +26,9 @@
 #include <Eigen/Core>
 
 #include "attn/config.hpp"
+#include "attn/cpu.hpp"
 #include "attn/init.hpp"
+#include "attn/kernels/gemm.hpp"
 #include "attn/precision.hpp"
 #include "attn/tensor.hpp"
 
@@ -43,29 +45,29 @@ using RowsMap = Eigen::Map<Matrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
 
 namespace detail {
 
-/// y (N, out) = x (N, in) * w (in, out) + b (out; empty = none). One GEMM. 16-bit data are
-/// widened to float for the GEMM (Eigen's half GEMM would round every partial sum to half)
-/// and the result is rounded once: extra memory (N, in + out) + (in, out) floats per call.
-template <class T, class DerivedW>
-void linear_into(const ConstRowsMap<T>& x, const Eigen::MatrixBase<DerivedW>& w,
-                 const T* bias,  // (out) or null
-                 RowsMap<T> y) {
+/// y (N, out) = x (N, in) * w (in, out) + b (out; null = none). One GEMM: for float,
+/// attn's own (kernels/gemm.hpp, on the instruction set chosen at run time, so that a build
+/// without -march still runs AVX2 or AVX-512); for double, Eigen's. 16-bit data are widened
+/// to float for the GEMM (Eigen's half GEMM would round every partial sum to half) and the
+/// result is rounded once: extra memory (N, in + out) + (in, out) floats per call.
+template <class T>
+void linear_into(const ConstRowsMap<T>& x,  // (N, in)
+                 const ConstRowsMap<T>& w,  // (in, out)
+                 const T* bias,             // (out) or null
+                 RowsMap<T> y) {            // (N, out)
   ATTN_ASSERT(x.cols() == w.rows() && y.cols() == w.cols() && y.rows() == x.rows());
   using C = compute_scalar_t<T>;
   if constexpr (std::is_same_v<T, C>) {
-    y.noalias() = x * w;
-    if (bias != nullptr) {
-      const Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>> b(bias, w.cols());
-      y.rowwise() += b;
-    }
+    gemm(active_isa(), x.rows(), w.cols(), x.cols(), x.data(), x.outerStride(), w.data(),
+         w.outerStride(), y.data(), y.outerStride(), bias);
   } else {
     const Matrix<C> x_wide = x.template cast<C>(), w_wide = w.template cast<C>();
+    Vector<C> bias_wide;
+    if (bias != nullptr)
+      bias_wide = Eigen::Map<const Vector<T>>(bias, w.cols()).template cast<C>();
     Matrix<C> y_wide(x.rows(), w.cols());
-    y_wide.noalias() = x_wide * w_wide;
-    if (bias != nullptr) {
-      const Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>> b(bias, w.cols());
-      y_wide.rowwise() += b.template cast<C>();
-    }
+    gemm(active_isa(), x.rows(), w.cols(), x.cols(), x_wide.data(), x.cols(), w_wide.data(),
+         w.cols(), y_wide.data(), w.cols(), bias != nullptr ? bias_wide.data() : nullptr);
     y = y_wide.template cast<T>();
   }
 }
@@ -195,7 +197,10 @@ class Linear {
                                     detail::shape_string({weight_.rows(), weight_.cols()}) +
                                     ": need x (N, in) and y (N, out)");
     }
-    detail::linear_into<T>(x, weight_, has_bias() ? bias_.data() : nullptr, y);
+    detail::linear_into<T>(x,
+                           ConstRowsMap<T>(weight_.data(), weight_.rows(), weight_.cols(),
+                                           Eigen::OuterStride<>(weight_.cols())),
+                           has_bias() ? bias_.data() : nullptr, y);
   }
 
  private:

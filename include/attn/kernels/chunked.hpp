@@ -17,7 +17,10 @@
 #include <Eigen/Core>
 
 #include "attn/config.hpp"
+#include "attn/kernels/item_loop.hpp"
 #include "attn/mask.hpp"
+#include "attn/plan.hpp"
+#include "attn/precision.hpp"
 #include "attn/softmax.hpp"
 #include "attn/tensor.hpp"
 
@@ -64,6 +67,41 @@ void chunked_attention_block(const HeadMatrix<const T>& q,  // (rows, D)  querie
       logsumexp[r] = lse;
   }
   out.noalias() = s * v.middleRows(first, cols);  // pass 4
+}
+
+/// The chunked kernel over all (b, query head, query block) items, last block first (under a
+/// top-left causal mask the last blocks carry the most work); 16-bit k and v are widened
+/// once per head, q and out block by block.
+template <class TQ, class TKV, class TO>
+void run_chunked(const KernelPlan& plan,
+                 const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
+                 const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
+                 const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
+                 const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
+                 const Mask<compute_scalar_t<TQ>>& mask, compute_scalar_t<TQ> scale,
+                 compute_scalar_t<TQ>* logsumexp) {  // (B, Hq, Lq) or null
+  using T = compute_scalar_t<TQ>;
+  const Index q_heads = q.heads, q_length = q.length;
+  const Index group = q_heads / k.heads, query_tile = plan.query_tile;
+  const Index q_tiles = (q_length + query_tile - 1) / query_tile;
+  struct Scratch {
+    Matrix<T> block, q_rows;
+    WidenedHead<T, TKV> k_head, v_head;
+    NarrowedRows<T, TO> out_rows;
+  };
+  for_each_item(
+      plan.work_items, plan.parallel, [] { return Scratch(); },
+      [&](Index item, Scratch& s) {
+        const Index head_item = item / q_tiles;  // b * Hq + h
+        const Index b = head_item / q_heads, h = head_item % q_heads;
+        const Index i0 = (q_tiles - 1 - item % q_tiles) * query_tile;
+        const Index rows = std::min(i0 + query_tile, q_length) - i0;
+        chunked_attention_block<T>(
+            rows_as<T, TQ>(q.head(b, h), i0, rows, s.q_rows), s.k_head(k, b, h / group),
+            s.v_head(v, b, h / group), s.out_rows.rows(out.head(b, h), i0, rows), mask, b, h, scale,
+            i0, s.block, logsumexp != nullptr ? logsumexp + head_item * q_length + i0 : nullptr);
+        s.out_rows.store(out.head(b, h), i0, rows);
+      });
 }
 
 }  // namespace attn::detail

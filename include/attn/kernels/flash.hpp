@@ -1,143 +1,77 @@
 // attn/kernels/flash.hpp: tiled attention with an online softmax (FlashAttention's forward).
 //
-//   q tile   (Bq, D)    rows [i0, i1) of one (b, h) head, pre-scaled into the workspace
-//   k tile   (Bk, D)    read in place through the strided head view, not transposed, not copied
-//                       (16-bit keys are widened into the workspace tile by tile)
-//   v tile   (Bk, Dv)   read in place (or widened, like k)
-//   s tile   (Bq, Bk)   scores, then probabilities, in the workspace
-//   acc      (Bq, Dv)   rescaled output accumulator, in the workspace
-//   m, l     (Bq)       running max and running sum of each row
+//   q    (B, Hq, Lq, D)    work items: (b, query head, query tile of Bq rows)
+//   k    (B, Hkv, Lk, D)   read in place through the strided head view, key tile by key tile
+//   v    (B, Hkv, Lk, Dv)  (16-bit k and v are widened tile by tile)
+//   out  (B, Hq, Lq, Dv)
 //
-// Extra memory per thread: Bq * (D + Bk + Dv + 3) scalars, plus Bk * (D + Dv) when k and v
-// are stored in 16 bits; independent of Lq and Lk. The
-// (Lq, Lk) scores never exist. Tiles the mask hides entirely are skipped without any
-// arithmetic (a causal mask does about half the work, a window O(L * window)); tiles it
+// The kernel of one work item is Kernels::flash_tile (kernels/online_softmax.inl), compiled
+// for each instruction set; the plan (attn/plan.hpp) says which one runs and with which
+// tiles. The (Lq, Lk) scores never exist. Tiles the mask hides entirely are skipped without
+// any arithmetic (a causal mask does about half the work, a window O(L * window)); tiles it
 // shows entirely skip mask evaluation (only a bias, if any, is added).
+//
+// Extra memory per thread: W * (D + Bk + Dv + 8) scalars with W = Bq rounded up to whole
+// vectors (kernels/workspace.hpp), plus Bk * (D + Dv) when k and v are stored in 16 bits and
+// Bq * (D + Dv) when q and out are; independent of Lq and Lk.
 #pragma once
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <type_traits>
 
-#include <Eigen/Core>
-
 #include "attn/config.hpp"
+#include "attn/kernels/item_loop.hpp"
+#include "attn/kernels/online_softmax.hpp"
+#include "attn/kernels/workspace.hpp"
 #include "attn/mask.hpp"
+#include "attn/plan.hpp"
 #include "attn/precision.hpp"
-#include "attn/softmax.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn::detail {
 
-/// Per-thread scratch of the flash kernel; sized once per call by reserve().
-template <class T>
-struct FlashWorkspace {
-  Matrix<T> q;      // (Bq, D)   scale * q tile
-  Matrix<T> s;      // (Bq, Bk)  scores -> probabilities
-  Matrix<T> acc;    // (Bq, Dv)  unnormalised output
-  Vector<T> m;      // (Bq)      running max
-  Vector<T> l;      // (Bq)      running sum of exp(score - m)
-  Vector<T> alpha;  // (Bq)    rescale factor of the current key tile
-  Matrix<T> k;      // (Bk, D)   widened key tile (16-bit storage only)
-  Matrix<T> v;      // (Bk, Dv)  widened value tile (16-bit storage only)
-
-  void reserve(Index query_tile, Index key_tile, Index dim, Index value_dim,
-               bool widens_kv = false) {
-    if (widens_kv) {
-      k.resize(key_tile, dim);
-      v.resize(key_tile, value_dim);
-    }
-    q.resize(query_tile, dim);
-    s.resize(query_tile, key_tile);
-    acc.resize(query_tile, value_dim);
-    m.resize(query_tile);
-    l.resize(query_tile);
-    alpha.resize(query_tile);
-  }
-};
-
-/// Flash attention for queries [i0, i0 + rows) of one (batch b, query head h) pair, whose
-/// rows of q and out are given; k and v are the whole head, stored as S (T or 16-bit).
-///   pass 1: q tile = scale * q[i0:i1]            (the scale folded into the GEMM operand)
-///   pass 2: for each key tile [j0, j1) the mask does not hide:
-///             s = q tile * k[j0:j1]^T             one GEMM on the strided view
-///             mask s unless the tile is fully visible (then only add the bias, if any)
-///             m' = max(m, rowmax s); p = exp(s - m'); l = l * exp(m - m') + rowsum p
-///             acc = acc * exp(m - m') + p * v[j0:j1]   one GEMM
-///   pass 3: out = acc / l (zeros when l = 0), logsumexp = m + log l
-/// `workspace` must have been reserved for at least `rows` query rows and key_tile keys.
-template <class T, class S = T>
-void flash_attention_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 .. i0 + rows - 1
-                          const HeadMatrix<const S>& k,  // (Lk, D)    the whole head
-                          const HeadMatrix<const S>& v,  // (Lk, Dv)
-                          HeadMatrix<T> out,             // (rows, Dv) written
-                          const Mask<T>& mask, Index b, Index h, T scale, Index i0, Index key_tile,
-                          FlashWorkspace<T>& workspace,
-                          T* logsumexp) {  // (rows) or null
-  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-  const Index rows = q.rows();
-  const Index i1 = i0 + rows;
-  const Index value_dim = v.cols();
-  ATTN_ASSERT(rows > 0 && rows <= workspace.s.rows() && key_tile <= workspace.s.cols());
-
-  const auto [keys_first, keys_last] = mask.key_range(b, i0, i1);
-
-  auto m = workspace.m.head(rows);
-  auto l = workspace.l.head(rows);
-  m.setConstant(minus_inf);
-  l.setZero();
-  Eigen::Map<Matrix<T>, Eigen::Aligned16> acc(workspace.acc.data(), rows, value_dim);
-  bool first_tile = true;
-
-  if (keys_first < keys_last) {
-    Eigen::Map<Matrix<T>, Eigen::Aligned16> q_tile(workspace.q.data(), rows, q.cols());
-    q_tile.noalias() = scale * q;  // pass 1
-
-    for (Index j0 = keys_first; j0 < keys_last; j0 += key_tile) {  // pass 2
-      const Index j1 = std::min(j0 + key_tile, keys_last);
-      const Index cols = j1 - j0;
-      const TileVisibility visibility = mask.classify(b, h, i0, i1, j0, j1);
-      if (visibility == TileVisibility::hidden)
-        continue;
-
-      const Index s_stride = workspace.s.cols();
-      Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> s(workspace.s.data(), rows, cols,
-                                                       Eigen::OuterStride<>(s_stride));
-      const HeadMatrix<const T> k_tile = rows_as<T, S>(k, j0, cols, workspace.k);
-      s.noalias() = q_tile * k_tile.transpose();
-      if (visibility == TileVisibility::partial || mask.modifies_scores())
-        mask.apply(b, h, i0, j0, s);
-
-      for (Index r = 0; r < rows; ++r)
-        workspace.alpha(r) = online_softmax_step(s.row(r).data(), cols, m(r), l(r));
-      const HeadMatrix<const T> v_tile = rows_as<T, S>(v, j0, cols, workspace.v);
-      if (first_tile) {
-        acc.noalias() = s * v_tile;
-      } else {
-        for (Index r = 0; r < rows; ++r) {
-          if (workspace.alpha(r) != T(1))
-            acc.row(r) *= workspace.alpha(r);
-        }
-        acc.noalias() += s * v_tile;
-      }
-      first_tile = false;
-    }
-  }
-
-  // pass 3
-  for (Index r = 0; r < rows; ++r) {
-    auto out_row = out.row(r);
-    if (first_tile || l(r) == T(0)) {  // the row sees no key: zeros, lse -inf
-      out_row.setZero();
-      if (logsumexp != nullptr)
-        logsumexp[r] = minus_inf;
-    } else {
-      out_row = acc.row(r) * (T(1) / l(r));
-      if (logsumexp != nullptr)
-        logsumexp[r] = m(r) + std::log(l(r));
-    }
-  }
+/// Flash attention over all (b, query head, query tile) items of the plan. Items are handed
+/// out last query tile first: under a top-left causal mask the last tiles carry the most work.
+template <class TQ, class TKV, class TO>
+void run_flash(const KernelPlan& plan,
+               const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
+               const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
+               const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
+               const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
+               const Mask<compute_scalar_t<TQ>>& mask, compute_scalar_t<TQ> scale,
+               compute_scalar_t<TQ>* logsumexp) {  // (B, Hq, Lq) or null
+  using T = compute_scalar_t<TQ>;
+  const Index q_heads = q.heads, q_length = q.length, k_length = k.length;
+  const Index group = q_heads / k.heads;
+  const Index query_tile = plan.query_tile;
+  const Index key_tile = std::min(plan.key_tile, k_length);
+  const Index q_tiles = (q_length + query_tile - 1) / query_tile;
+  struct Scratch {
+    Workspace<T> workspace;
+    Matrix<T> q_rows;  // a widened query tile (16-bit q)
+    NarrowedRows<T, TO> out_rows;
+  };
+  with_kernels<T>(plan.isa, [&](auto kernels) {
+    using K = decltype(kernels);
+    const auto make_scratch = [&] {
+      Scratch scratch;
+      scratch.workspace.reserve_flash(K::padded_width(std::min(query_tile, q_length)), key_tile,
+                                      q.dim, v.dim, !std::is_same_v<TKV, T>);
+      return scratch;
+    };
+    for_each_item(plan.work_items, plan.parallel, make_scratch, [&](Index item, Scratch& s) {
+      const Index head_item = item / q_tiles;  // b * Hq + h
+      const Index b = head_item / q_heads, h = head_item % q_heads;
+      const Index i0 = (q_tiles - 1 - item % q_tiles) * query_tile;
+      const Index rows = std::min(i0 + query_tile, q_length) - i0;
+      const HeadMatrix<const T> q_rows = rows_as<T, TQ>(q.head(b, h), i0, rows, s.q_rows);
+      K::template flash_tile<T, TKV>(
+          q_rows, k.head(b, h / group), v.head(b, h / group),
+          s.out_rows.rows(out.head(b, h), i0, rows), mask, b, h, scale, i0, key_tile, s.workspace,
+          logsumexp != nullptr ? logsumexp + head_item * q_length + i0 : nullptr);
+      s.out_rows.store(out.head(b, h), i0, rows);
+    });
+  });
 }
 
 }  // namespace attn::detail

@@ -9,7 +9,10 @@
 #include <Eigen/Core>
 
 #include "attn/config.hpp"
+#include "attn/kernels/item_loop.hpp"
 #include "attn/mask.hpp"
+#include "attn/plan.hpp"
+#include "attn/precision.hpp"
 #include "attn/softmax.hpp"
 #include "attn/tensor.hpp"
 
@@ -44,6 +47,38 @@ void naive_attention_head(const HeadMatrix<const T>& q,  // (Lq, D)
       logsumexp[i] = lse;
   }
   out.noalias() = scores * v;  // pass 4
+}
+
+/// The naive kernel over all (b, query head) items; 16-bit inputs are widened once per head.
+template <class TQ, class TKV, class TO>
+void run_naive(const KernelPlan& plan,
+               const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
+               const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
+               const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
+               const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
+               const Mask<compute_scalar_t<TQ>>& mask, compute_scalar_t<TQ> scale,
+               compute_scalar_t<TQ>* weights,      // (B, Hq, Lq, Lk) or null
+               compute_scalar_t<TQ>* logsumexp) {  // (B, Hq, Lq) or null
+  using T = compute_scalar_t<TQ>;
+  const Index q_heads = q.heads, q_length = q.length, k_length = k.length;
+  const Index group = q_heads / k.heads;
+  struct Scratch {
+    Matrix<T> scores;  // (Lq, Lk), reused across heads
+    WidenedHead<T, TQ> q_head;
+    WidenedHead<T, TKV> k_head, v_head;
+    NarrowedRows<T, TO> out_rows;
+  };
+  for_each_item(
+      plan.work_items, plan.parallel, [] { return Scratch(); },
+      [&](Index item, Scratch& s) {
+        const Index b = item / q_heads, h = item % q_heads;
+        naive_attention_head<T>(
+            s.q_head(q, b, h), s.k_head(k, b, h / group), s.v_head(v, b, h / group),
+            s.out_rows.rows(out.head(b, h), 0, q_length), mask, b, h, scale, s.scores,
+            weights != nullptr ? weights + item * q_length * k_length : nullptr,
+            logsumexp != nullptr ? logsumexp + item * q_length : nullptr);
+        s.out_rows.store(out.head(b, h), 0, q_length);
+      });
 }
 
 }  // namespace attn::detail

@@ -1,0 +1,169 @@
+// attn/kernels/simd/avx2.hpp: the float kernels compiled for AVX2 + FMA + F16C, in
+// namespace attn::detail::avx2, whatever flags the translation unit is built with.
+//
+// This file defines the vector primitives (8 floats per __m256) and the register-block
+// sizes; the kernels themselves are written once, on these primitives, in tile_products.inl
+// and gemm_micro.inl, and included here and in avx512.hpp. Every primitive gives the same
+// bits as its AVX-512 namesake.
+#pragma once
+
+#include "attn/kernels/simd/target.hpp"
+
+#if ATTN_X86_DISPATCH
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include <Eigen/Core>
+
+#include "attn/config.hpp"
+
+ATTN_BEGIN_TARGET_AVX2
+namespace attn::detail::avx2 {
+
+inline constexpr Isa isa = Isa::avx2;
+inline constexpr Index lanes = 8;  // floats per vector
+using vec = __m256;
+using ivec = __m256i;
+
+// Register blocks (16 ymm registers):
+//   flash scores    6 keys x 2 vectors of queries: 12 accumulators
+//   flash values    4 value dims x 3 vectors of queries: 12 accumulators
+//   decode scores   2 rows x 4 keys of dot products: 8 accumulators
+//   decode values   2 rows x 4 vectors of value dims: 8 accumulators
+//   gemm            6 rows x 2 vectors (16 columns): 12 accumulators
+inline constexpr Index score_rows = 6;
+inline constexpr Index score_vectors = 2;
+inline constexpr Index value_rows = 4;
+inline constexpr Index value_vectors = 3;
+inline constexpr Index decode_rows = 2;
+inline constexpr Index decode_vectors = 4;
+inline constexpr Index gemm_rows = 6;
+inline constexpr Index gemm_vectors = 2;
+
+inline vec zero() {
+  return _mm256_setzero_ps();
+}
+inline vec set1(float x) {
+  return _mm256_set1_ps(x);
+}
+inline vec load(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+inline void store(float* p, vec x) {
+  _mm256_storeu_ps(p, x);
+}
+inline vec add(vec a, vec b) {
+  return _mm256_add_ps(a, b);
+}
+inline vec mul(vec a, vec b) {
+  return _mm256_mul_ps(a, b);
+}
+/// a * b + c, one rounding.
+inline vec fmadd(vec a, vec b, vec c) {
+  return _mm256_fmadd_ps(a, b, c);
+}
+/// max(a, b); b when either is NaN.
+inline vec maximum(vec a, vec b) {
+  return _mm256_max_ps(a, b);
+}
+
+/// All-ones in lanes [0, n), n < lanes.
+inline ivec first_lanes(Index n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+/// p[0:n) and zeros, n < lanes.
+inline vec load_first(const float* p, Index n) {
+  return _mm256_maskload_ps(p, first_lanes(n));
+}
+/// p[0:n) = x[0:n), n < lanes.
+inline void store_first(float* p, vec x, Index n) {
+  _mm256_maskstore_ps(p, first_lanes(n), x);
+}
+
+inline float reduce_add(vec x) {
+  const __m128 halves = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+
+/// out[0:4) = [sum a, sum b, sum c, sum d].
+inline void sum_each4(vec a, vec b, vec c, vec d, float* out) {
+  // [a01 a23 b01 b23 | a45 a67 b45 b67], the same for c, d; then [a b c d | a b c d] partials
+  const vec abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+}
+
+/// src[0:8) widened to float.
+inline vec load_widened(const float* src) {
+  return _mm256_loadu_ps(src);
+}
+inline vec load_widened(const Eigen::half* src) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+}
+/// bfloat16 is the upper half of a float's bits: widening is a 16-bit shift.
+inline vec load_widened(const Eigen::bfloat16* src) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+/// [base[0], base[stride], ..., base[7 stride]]; stride * 8 must fit in 32 bits.
+inline vec gather_strided(const float* base, Index stride) {
+  const ivec offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                          _mm256_set1_epi32(static_cast<int>(stride)));
+  return _mm256_i32gather_ps(base, offsets, 4);
+}
+
+inline ivec load_indices(const std::int32_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+/// score, or -inf in the lanes where key j lies outside [first, last).
+inline vec hide_outside(vec score, std::int32_t j, ivec first, ivec last) {
+  const ivec key = _mm256_set1_epi32(j);
+  // visible: first <= j (not first > j) and j < last
+  const ivec visible =
+      _mm256_andnot_si256(_mm256_cmpgt_epi32(first, key), _mm256_cmpgt_epi32(last, key));
+  return _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), score,
+                          _mm256_castsi256_ps(visible));
+}
+
+/// exp(x - shift) for x <= shift (or NaN), the same bits as avx512::exp_shifted: the same
+/// reduction and polynomial, 2^n built in the exponent field instead of by scalef (n lies in
+/// [-126, 0] wherever d >= -87, so 2^n and the product are normal), lanes below -87 and -inf
+/// zeroed by a mask (no subnormal is ever produced).
+inline vec exp_shifted(vec x, vec shift) {
+  const vec d = _mm256_sub_ps(x, shift);
+  const vec normal = _mm256_cmp_ps(d, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ);  // NaN kept
+  const vec n = _mm256_round_ps(_mm256_mul_ps(d, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), d);  // ln 2, high part: exact
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);   // ln 2, low part
+  vec p = _mm256_set1_ps(1.383683993e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.374815807e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166822508e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666641980e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.999999106e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const ivec power = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);  // 2^n
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(power)), normal);
+}
+
+/// Requests the cache line at `address`: a hint, which never faults.
+inline void prefetch(std::uintptr_t address) {
+  _mm_prefetch(reinterpret_cast<const char*>(address), _MM_HINT_T0);
+}
+
+#include "attn/kernels/simd/gemm_micro.inl"
+#include "attn/kernels/simd/tile_products.inl"
+
+}  // namespace attn::detail::avx2
+ATTN_END_TARGET
+
+#endif  // ATTN_X86_DISPATCH

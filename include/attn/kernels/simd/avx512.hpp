@@ -1,0 +1,190 @@
+// attn/kernels/simd/avx512.hpp: the float kernels compiled for AVX-512F, in namespace
+// attn::detail::avx512, whatever flags the translation unit is built with.
+//
+// This file defines the vector primitives (16 floats per __m512) and the register-block
+// sizes; the kernels themselves are written once, on these primitives, in tile_products.inl
+// and gemm_micro.inl, and included here and in avx2.hpp.
+#pragma once
+
+#include "attn/kernels/simd/target.hpp"
+
+#if ATTN_X86_DISPATCH
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include <Eigen/Core>
+
+#include "attn/config.hpp"
+
+ATTN_BEGIN_TARGET_AVX512
+namespace attn::detail::avx512 {
+
+inline constexpr Isa isa = Isa::avx512;
+inline constexpr Index lanes = 16;  // floats per vector
+using vec = __m512;
+using ivec = __m512i;
+
+// Register blocks (32 zmm registers):
+//   flash scores   12 keys x 2 vectors of queries: 24 accumulators
+//   flash values    8 value dims x 3 vectors of queries: 24 accumulators
+//   decode scores   4 rows x 4 keys of dot products: 16 accumulators
+//   decode values   4 rows x 4 vectors of value dims: 16 accumulators
+//   gemm            14 rows x 2 vectors (32 columns): 28 accumulators
+inline constexpr Index score_rows = 12;
+inline constexpr Index score_vectors = 2;
+inline constexpr Index value_rows = 8;
+inline constexpr Index value_vectors = 3;
+inline constexpr Index decode_rows = 4;
+inline constexpr Index decode_vectors = 4;
+inline constexpr Index gemm_rows = 14;
+inline constexpr Index gemm_vectors = 2;
+
+inline vec zero() {
+  return _mm512_setzero_ps();
+}
+inline vec set1(float x) {
+  return _mm512_set1_ps(x);
+}
+inline vec load(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+inline void store(float* p, vec x) {
+  _mm512_storeu_ps(p, x);
+}
+inline vec add(vec a, vec b) {
+  return _mm512_add_ps(a, b);
+}
+inline vec mul(vec a, vec b) {
+  return _mm512_mul_ps(a, b);
+}
+/// a * b + c, one rounding.
+inline vec fmadd(vec a, vec b, vec c) {
+  return _mm512_fmadd_ps(a, b, c);
+}
+// GCC 12's unmasked AVX-512 intrinsics pass _mm512_undefined_ps() (`__m512 __Y = __Y;`) as
+// the merge source, which trips -Wmaybe-uninitialized in every user's -Wall build once
+// inlined (GCC bug 105593). The primitives below use the zero-masked forms with a full mask
+// instead: the same instruction, no warning.
+inline constexpr __mmask16 all_lanes = 0xffff;
+
+/// max(a, b); b when either is NaN (so NaN scores may or may not enter a running max: they
+/// reach the output through their probabilities either way).
+inline vec maximum(vec a, vec b) {
+  return _mm512_maskz_max_ps(all_lanes, a, b);
+}
+
+inline __mmask16 first_lanes(Index n) {
+  return static_cast<__mmask16>((1u << static_cast<unsigned>(n)) - 1u);
+}
+/// p[0:n) and zeros, n < lanes.
+inline vec load_first(const float* p, Index n) {
+  return _mm512_maskz_loadu_ps(first_lanes(n), p);
+}
+/// p[0:n) = x[0:n), n < lanes.
+inline void store_first(float* p, vec x, Index n) {
+  _mm512_mask_storeu_ps(p, first_lanes(n), x);
+}
+
+/// The lower (0) or upper (1) eight floats of x.
+template <int half>
+inline __m256 eight(vec x) {
+  return _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(x), half));
+}
+
+inline float reduce_add(vec x) {
+  const __m256 halves = _mm256_add_ps(eight<0>(x), eight<1>(x));
+  const __m128 quarters =
+      _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+  const __m128 pairs = _mm_add_ps(quarters, _mm_movehl_ps(quarters, quarters));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+
+/// out[0:4) = [sum a, sum b, sum c, sum d]: one transpose-and-add tree for four dot products.
+inline void sum_each4(vec a, vec b, vec c, vec d, float* out) {
+  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d
+  const vec ab = _mm512_add_ps(_mm512_maskz_unpacklo_ps(all_lanes, a, b),
+                               _mm512_maskz_unpackhi_ps(all_lanes, a, b));
+  const vec cd = _mm512_add_ps(_mm512_maskz_unpacklo_ps(all_lanes, c, d),
+                               _mm512_maskz_unpackhi_ps(all_lanes, c, d));
+  // per 128-bit lane: [a, b, c, d] partial sums
+  const __m512d ab2 = _mm512_castps_pd(ab), cd2 = _mm512_castps_pd(cd);
+  const vec abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_maskz_unpacklo_pd(0xff, ab2, cd2)),
+                                 _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(0xff, ab2, cd2)));
+  const __m256 halves = _mm256_add_ps(eight<0>(abcd), eight<1>(abcd));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1)));
+}
+
+/// src[0:16) widened to float.
+inline vec load_widened(const float* src) {
+  return _mm512_loadu_ps(src);
+}
+inline vec load_widened(const Eigen::half* src) {
+  return _mm512_maskz_cvtph_ps(all_lanes,
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+/// bfloat16 is the upper half of a float's bits: widening is a 16-bit shift.
+inline vec load_widened(const Eigen::bfloat16* src) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(
+      _mm512_maskz_slli_epi32(all_lanes, _mm512_maskz_cvtepu16_epi32(all_lanes, bits), 16));
+}
+
+/// [base[0], base[stride], ..., base[15 stride]]; stride * 16 must fit in 32 bits.
+inline vec gather_strided(const float* base, Index stride) {
+  const ivec offsets =
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(static_cast<int>(stride)));
+  return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), all_lanes, offsets, base, 4);
+}
+
+inline ivec load_indices(const std::int32_t* p) {
+  return _mm512_loadu_si512(p);
+}
+
+/// score, or -inf in the lanes where key j lies outside [first, last).
+inline vec hide_outside(vec score, std::int32_t j, ivec first, ivec last) {
+  const ivec key = _mm512_set1_epi32(j);
+  const __mmask16 hidden = static_cast<__mmask16>(_mm512_cmplt_epi32_mask(key, first) |
+                                                  _mm512_cmpge_epi32_mask(key, last));
+  return _mm512_mask_mov_ps(score, hidden, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+}
+
+/// exp(x - shift) for x <= shift (or NaN); see tile_products.inl for the method. Lanes below
+/// the smallest normal float (d < -87, and -inf) are exactly 0 and cost no microcode assist:
+/// the masked-off lanes of scalef neither compute nor underflow.
+inline vec exp_shifted(vec x, vec shift) {
+  const vec d = _mm512_sub_ps(x, shift);
+  // "not less than" is true for NaN, so NaN is kept; -inf (a hidden key) is not
+  const __mmask16 normal = _mm512_cmp_ps_mask(d, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
+  const vec n =
+      _mm512_maskz_roundscale_ps(all_lanes, _mm512_mul_ps(d, _mm512_set1_ps(1.44269504088896341f)),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vec r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), d);  // ln 2, high part: exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);   // ln 2, low part
+  vec p = _mm512_set1_ps(1.383683993e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.374815807e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166822508e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.666641980e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.999999106e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(normal, p, n);
+}
+
+/// Requests the cache line at `address`: a hint, which never faults (the address may lie
+/// past the data).
+inline void prefetch(std::uintptr_t address) {
+  _mm_prefetch(reinterpret_cast<const char*>(address), _MM_HINT_T0);
+}
+
+#include "attn/kernels/simd/gemm_micro.inl"
+#include "attn/kernels/simd/tile_products.inl"
+
+}  // namespace attn::detail::avx512
+ATTN_END_TARGET
+
+#endif  // ATTN_X86_DISPATCH

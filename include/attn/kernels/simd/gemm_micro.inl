@@ -1,0 +1,161 @@
+// attn/kernels/simd/gemm_micro.inl: the register-blocked micro-kernel of the float GEMM and
+// its packing, written once on the vector primitives of the namespace that includes this
+// file (simd/avx2.hpp, simd/avx512.hpp). No include guard and no #include: it is included
+// inside namespace attn::detail::<isa>, within that instruction set's target region.
+// kernels/gemm.hpp does the cache blocking and the threads; the interface is pointers and
+// scalars only.
+//
+// c (M, N) = a (M, K) b (K, N), row-major. A register block of c is mr = gemm_rows rows by
+// nr = gemm_vectors * lanes columns: step k loads nr floats of row k of b (gemm_vectors
+// vectors) and broadcasts mr scalars of column k of a, mr * gemm_vectors FMAs. Packed
+// operands (both zero-padded to whole panels, so every block computes a full mr x nr tile):
+//
+//   ap   panels of (depth, mr)   a's rows transposed: step k reads mr consecutive scalars
+//   bp   panels of (depth, nr)   b's rows cut into nr-wide strips: step k reads nr floats
+//
+// Every element of c is one chain of FMAs in order of k, started from 0 or from c (when
+// `load_c`: a previous depth block's partial sum, or the caller's c), with the bias added
+// after the last step. An edge tile runs the same chain on a copy on the stack, so its bits
+// do not depend on where the tile boundaries fall.
+
+struct Gemm {
+  static constexpr Index rows = gemm_rows;                // mr
+  static constexpr Index columns = gemm_vectors * lanes;  // nr
+
+  /// Panels of `rows` rows of a (count, depth): ap[p * mr * depth + k * mr + r] =
+  /// a[p * mr + r, k], zeros past `count`.
+  static void pack_a(const float* a, Index lda, Index count, Index depth, float* ap) {
+    for (Index r0 = 0; r0 < count; r0 += rows) {
+      const Index height = std::min(rows, count - r0);
+      float* panel = ap + r0 * depth;
+      if (height == rows) {
+        // row by row: each row is read once, contiguously; the writes stay in L1
+        for (Index r = 0; r < rows; ++r) {
+          const float* row = a + (r0 + r) * lda;
+          for (Index k = 0; k < depth; ++k)
+            panel[k * rows + r] = row[k];
+        }
+      } else {
+        for (Index k = 0; k < depth; ++k) {
+          for (Index r = 0; r < rows; ++r)
+            panel[k * rows + r] = r < height ? a[(r0 + r) * lda + k] : 0.0f;
+        }
+      }
+    }
+  }
+
+  /// Panels of `columns` columns of b (depth, count): bp[q * nr * depth + k * nr + c] =
+  /// b[k, q * nr + c], zeros past `count`.
+  static void pack_b(const float* b, Index ldb, Index depth, Index count, float* bp) {
+    for (Index c0 = 0; c0 < count; c0 += columns) {
+      const Index width = std::min(columns, count - c0);
+      float* panel = bp + c0 * depth;
+      if (width == columns) {
+        for (Index k = 0; k < depth; ++k) {
+#pragma GCC unroll 4
+          for (Index v = 0; v < gemm_vectors; ++v)
+            store(panel + k * columns + v * lanes, load(b + k * ldb + c0 + v * lanes));
+        }
+      } else {
+        for (Index k = 0; k < depth; ++k) {
+          const float* row = b + k * ldb + c0;
+          for (Index v = 0; v < gemm_vectors; ++v) {
+            const Index left = width - v * lanes;  // columns of this vector that exist
+            const vec x = left >= lanes ? load(row + v * lanes)
+                          : left > 0    ? load_first(row + v * lanes, left)
+                                        : zero();
+            store(panel + k * columns + v * lanes, x);
+          }
+        }
+      }
+    }
+  }
+
+  /// c[0:mr, 0:nr) = (load_c ? c : 0) + sum_k ap[k, :]^T bp[k, :] (+ bias[0:nr)), in
+  /// registers. (Nothing but the chain in the loop: a branch to a tail path makes the
+  /// compilers keep accumulators on the stack.)
+  static void tile(Index depth, const float* ap, const float* bp, float* c, Index ldc, bool load_c,
+                   const float* bias) {
+    constexpr std::size_t R = static_cast<std::size_t>(rows);
+    constexpr std::size_t V = static_cast<std::size_t>(gemm_vectors);
+    vec acc[R][V];
+    if (load_c) {
+#pragma GCC unroll 16
+      for (std::size_t r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+        for (std::size_t v = 0; v < V; ++v)
+          acc[r][v] = load(c + static_cast<Index>(r) * ldc + lanes * static_cast<Index>(v));
+      }
+    } else {
+#pragma GCC unroll 16
+      for (std::size_t r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+        for (std::size_t v = 0; v < V; ++v)
+          acc[r][v] = zero();
+      }
+    }
+#pragma GCC unroll 2
+    for (Index k = 0; k < depth; ++k) {
+      vec x[V];
+#pragma GCC unroll 4
+      for (std::size_t v = 0; v < V; ++v)
+        x[v] = load(bp + k * columns + lanes * static_cast<Index>(v));
+#pragma GCC unroll 16
+      for (std::size_t r = 0; r < R; ++r) {
+        const vec y = set1(ap[k * rows + static_cast<Index>(r)]);
+#pragma GCC unroll 4
+        for (std::size_t v = 0; v < V; ++v)
+          acc[r][v] = fmadd(y, x[v], acc[r][v]);
+      }
+    }
+    if (bias != nullptr) {
+#pragma GCC unroll 4
+      for (std::size_t v = 0; v < V; ++v) {
+        const vec b = load(bias + lanes * static_cast<Index>(v));
+#pragma GCC unroll 16
+        for (std::size_t r = 0; r < R; ++r)
+          acc[r][v] = add(acc[r][v], b);
+      }
+    }
+#pragma GCC unroll 16
+    for (std::size_t r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (std::size_t v = 0; v < V; ++v)
+        store(c + static_cast<Index>(r) * ldc + lanes * static_cast<Index>(v), acc[r][v]);
+    }
+  }
+
+  /// c[0:count_m, 0:count_n) = (load_c ? c : 0) + ap bp (+ bias) over packed panels of a
+  /// (count_m rows) and b (count_n columns), all of depth `depth`. For each panel of b, the
+  /// panels of a pass under it (the b panel is reused from L1/L2, the a block from L2).
+  static void block(Index count_m, Index count_n, Index depth, const float* ap, const float* bp,
+                    float* c, Index ldc, bool load_c, const float* bias) {
+    alignas(64) float edge[rows * columns];
+    alignas(64) float edge_bias[columns];
+    for (Index j = 0; j < count_n; j += columns) {
+      const Index width = std::min(columns, count_n - j);
+      const float* b_panel = bp + j * depth;
+      if (bias != nullptr && width < columns) {
+        std::fill(edge_bias, edge_bias + columns, 0.0f);
+        std::copy(bias + j, bias + j + width, edge_bias);
+      }
+      const float* panel_bias = bias == nullptr ? nullptr : width < columns ? edge_bias : bias + j;
+      for (Index i = 0; i < count_m; i += rows) {
+        const Index height = std::min(rows, count_m - i);
+        float* c_tile = c + i * ldc + j;
+        if (height == rows && width == columns) {
+          tile(depth, ap + i * depth, b_panel, c_tile, ldc, load_c, panel_bias);
+          continue;
+        }
+        if (load_c) {
+          std::fill(edge, edge + rows * columns, 0.0f);
+          for (Index r = 0; r < height; ++r)
+            std::copy(c_tile + r * ldc, c_tile + r * ldc + width, edge + r * columns);
+        }
+        tile(depth, ap + i * depth, b_panel, edge, columns, load_c, panel_bias);
+        for (Index r = 0; r < height; ++r)
+          std::copy(edge + r * columns, edge + r * columns + width, c_tile + r * ldc);
+      }
+    }
+  }
+};

@@ -1,0 +1,56 @@
+// attn/kernels/simd/target.hpp: compile a region of code for one instruction set, whatever
+// flags the translation unit is built with.
+//
+//   ATTN_BEGIN_TARGET_AVX2     ... ATTN_END_TARGET    AVX2 + FMA + F16C, and never AVX-512
+//   ATTN_BEGIN_TARGET_AVX512   ... ATTN_END_TARGET    AVX-512F (with AVX2, FMA, F16C)
+//
+// Every function defined in the region (templates, member functions and lambdas included)
+// carries the target attribute, so the intrinsics of that instruction set may be used in it.
+// GCC takes `#pragma GCC target`; Clang ignores that pragma and takes
+// `#pragma clang attribute` instead. The AVX2 region also switches AVX-512 off, so that the
+// AVX2 kernels compiled in a unit built with, say, -mavx2 contain no AVX-512 instruction: the
+// linker keeps one copy of each inline function, and that copy must run on every CPU the
+// dispatcher (attn/cpu.hpp) sends to it.
+//
+// Values of vector type never cross from a region to code outside it: the interface of the
+// region's kernels is pointers and scalars (a __m256 argument between functions of different
+// targets changes the calling convention).
+#pragma once
+
+#include "attn/cpu.hpp"
+
+#if ATTN_X86_DISPATCH
+
+// A translation unit built with AVX-512 gets its intrinsics defined for its own target, so an
+// AVX2 region that switched AVX-512 off could not inline them; such a unit needs an AVX-512
+// CPU anyway (its own code and every inline function it compiles, Eigen's and the standard
+// library's included, may use AVX-512), so there the AVX2 region leaves AVX-512 on.
+// (_Pragma takes one string literal, hence the four spelled-out variants.)
+// clang-format off
+#if defined(__clang__)
+#if defined(__AVX512F__)
+#define ATTN_BEGIN_TARGET_AVX2 \
+  _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c\"))), apply_to = function)")
+#else
+#define ATTN_BEGIN_TARGET_AVX2 \
+  _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c,no-avx512f\"))), apply_to = function)")
+#endif
+#define ATTN_BEGIN_TARGET_AVX512 \
+  _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx2,fma,f16c\"))), apply_to = function)")
+#define ATTN_END_TARGET _Pragma("clang attribute pop")
+#else
+#if defined(__AVX512F__)
+#define ATTN_BEGIN_TARGET_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")")
+#else
+#define ATTN_BEGIN_TARGET_AVX2 \
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c,no-avx512f\")")
+#endif
+#define ATTN_BEGIN_TARGET_AVX512 \
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx2,fma,f16c\")")
+#define ATTN_END_TARGET _Pragma("GCC pop_options")
+#endif
+// clang-format on
+
+#include <immintrin.h>
+
+#endif  // ATTN_X86_DISPATCH

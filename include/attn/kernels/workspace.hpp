@@ -1,0 +1,111 @@
+// attn/kernels/workspace.hpp: the per-thread scratch of the flash and decode kernels.
+//
+// One type for both (kernels/online_softmax.inl). Flash keeps the queries of a tile on the
+// columns (W = the query tile rounded up to whole vectors of the instruction set), decode
+// keeps its R = G * Lq queries on the rows:
+//
+//              flash                         decode
+//   q          (D, W)   scale * q tile^T      (R, D)   scale * the group's queries
+//   s          (Bk, W)  scores^T -> p^T       (R, Bk)  scores -> probabilities
+//   acc        (Dv, W)  unnormalised out^T    unused   (each split writes its own partial)
+//   m, l       (W)      running max and sum   unused   (in the partial)
+//   alpha, shift, tile_max, sums   (W) or (R) the rescale factor, the exp's shift, the
+//                                   tile's maxima and its sums of probabilities
+//   key_lo, key_hi  (W)  visible keys of each query in a tile (flash)
+//   k, v       (Bk, D), (Bk, Dv)  a key/value tile widened to the compute scalar, when k
+//                                   and v are stored in 16 bits and the products do not
+//                                   widen in registers
+//
+// Extra memory per thread: flash W * (D + Bk + Dv + 8) scalars (+ Bk * (D + Dv) for 16-bit
+// k and v); decode R * (D + Bk + 4) (+ Bk * (D + Dv) on the generic path with 16-bit k and
+// v). Sized once per call, reused for every work item of the thread.
+//
+// The buffers are 64-byte aligned whatever the translation unit's flags. Eigen's own heap
+// alignment follows them (16 bytes in a build without -march), and the AVX-512 kernels,
+// which run in such builds too, lose about 8% on rows that straddle cache lines.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <new>
+#include <type_traits>
+#include <vector>
+
+#include "attn/config.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn::detail {
+
+/// A row-major (rows, cols) scratch buffer, 64-byte aligned, contents uninitialised. It
+/// grows and never shrinks, so that resizing to the same shapes again allocates nothing.
+template <class T>
+class Scratch {
+  static_assert(std::is_trivially_default_constructible_v<T> &&
+                std::is_trivially_destructible_v<T>);
+
+ public:
+  static constexpr std::size_t alignment = 64;
+
+  void resize(Index rows, Index cols = 1) {
+    const std::size_t count = static_cast<std::size_t>(rows * cols);
+    if (count > capacity_) {
+      data_.reset(static_cast<T*>(::operator new (count * sizeof(T), std::align_val_t{alignment})));
+      capacity_ = count;
+    }
+    rows_ = rows;
+    cols_ = cols;
+  }
+  T* data() { return data_.get(); }
+  const T* data() const { return data_.get(); }
+  Index rows() const { return rows_; }
+  Index cols() const { return cols_; }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { ::operator delete (p, std::align_val_t{alignment}); }
+  };
+  std::unique_ptr<T, Free> data_;
+  std::size_t capacity_ = 0;
+  Index rows_ = 0, cols_ = 0;
+};
+
+template <class T>
+struct Workspace {
+  Scratch<T> q, s, acc;
+  Scratch<T> m, l, alpha, shift, tile_max, sums;
+  std::vector<std::int32_t> key_lo, key_hi;
+  Scratch<T> k, v;
+
+  /// Flash: query tiles of up to `width` (padded) queries, key tiles of up to `keys` keys.
+  void reserve_flash(Index width, Index keys, Index dim, Index value_dim, bool widens_kv) {
+    q.resize(dim, width);
+    s.resize(keys, width);
+    acc.resize(value_dim, width);
+    reserve_vectors(width);
+    key_lo.resize(static_cast<std::size_t>(width));
+    key_hi.resize(static_cast<std::size_t>(width));
+    if (widens_kv)
+      reserve_kv(keys, dim, value_dim);
+  }
+
+  /// Decode: `rows` = G * Lq queries, key blocks of up to `keys` keys.
+  void reserve_decode(Index rows, Index keys, Index dim, Index value_dim, bool widens_kv) {
+    q.resize(rows, dim);
+    s.resize(rows, keys);
+    reserve_vectors(rows);
+    if (widens_kv)
+      reserve_kv(keys, dim, value_dim);
+  }
+
+ private:
+  void reserve_vectors(Index n) {
+    for (Scratch<T>* x : {&m, &l, &alpha, &shift, &tile_max, &sums})
+      x->resize(n);
+  }
+  void reserve_kv(Index keys, Index dim, Index value_dim) {
+    k.resize(keys, dim);
+    v.resize(keys, value_dim);
+  }
+};
+
+}  // namespace attn::detail

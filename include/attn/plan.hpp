@@ -1,0 +1,185 @@
+// attn/plan.hpp: the one place that decides how an attention call runs.
+//
+// plan_attention() turns the problem (shapes, scalar, options) and the CPU into a
+// KernelPlan: the algorithm, the instruction set of its products, the tiles and the work
+// items. scaled_dot_product_attention, KVCache::attend and MultiHeadAttention all run
+// through it; describe() says what was chosen:
+//
+//   attn::plan_attention<float>({1, 8, 8, 4096, 4096, 64, 64}, options).describe()
+//   "flash on avx512 (float): query tiles of 128, key tiles of 256; 256 work items
+//    (B * Hq * query tiles) on 2 threads"
+//
+// Thresholds are keyed by instruction set and scalar and were measured with
+// bench/bench_attention.cpp and bench/bench_decode.cpp (docs/performance.md).
+#pragma once
+
+#include <algorithm>
+#include <string>
+#include <type_traits>
+
+#include "attn/config.hpp"
+#include "attn/cpu.hpp"
+#include "attn/options.hpp"
+
+namespace attn {
+
+/// The shape of one attention problem: q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv).
+struct AttentionShape {
+  Index batch = 0, q_heads = 0, kv_heads = 0, q_length = 0, k_length = 0, dim = 0, value_dim = 0;
+};
+
+/// How one attention call runs.
+struct KernelPlan {
+  Algorithm algorithm = Algorithm::naive;  ///< never automatic
+  Isa isa = Isa::generic;                  ///< instruction set of the products
+  const char* scalar = "float";            ///< the compute scalar
+  Index query_tile = 0;                    ///< chunked, flash: query rows per work item
+  Index key_tile = 0;                      ///< flash: keys per tile
+  Index split_keys = 0;                    ///< decode: keys per work item (merged by log-sum-exp)
+  Index key_block = 0;                     ///< decode: keys per block inside a split
+  Index work_items = 0;                    ///< independent items handed to the threads
+  bool parallel = false;  ///< whether the call opens a parallel region (big enough to pay)
+  int threads = 1;        ///< threads the call may use
+
+  std::string describe() const {
+    std::string s =
+        std::string(algorithm_name(algorithm)) + " on " + isa_name(isa) + " (" + scalar + "): ";
+    switch (algorithm) {
+      case Algorithm::flash:
+        s += "query tiles of " + std::to_string(query_tile) + ", key tiles of " +
+             std::to_string(key_tile) + "; " + std::to_string(work_items) +
+             " work items (B * Hq * query tiles)";
+        break;
+      case Algorithm::chunked:
+        s += "query blocks of " + std::to_string(query_tile) + "; " + std::to_string(work_items) +
+             " work items (B * Hq * query blocks)";
+        break;
+      case Algorithm::decode:
+        s += "splits of " + std::to_string(split_keys) + " keys in blocks of " +
+             std::to_string(key_block) + "; " + std::to_string(work_items) +
+             " work items (B * Hkv * splits)";
+        break;
+      default:
+        s += "the whole (Lq, Lk) scores per head; " + std::to_string(work_items) +
+             " work items (B * Hq)";
+        break;
+    }
+    return s + " on " + std::to_string(threads) + (threads == 1 ? " thread" : " threads");
+  }
+};
+
+/// Keys per split of the decode kernel: the unit of parallel work and of the merge.
+inline constexpr Index decode_split_keys = 512;
+/// Keys per block inside a split (scored and accumulated together).
+inline constexpr Index decode_key_block = 64;
+
+/// Algorithm::automatic uses the decode kernel for at most this many queries per head.
+/// Measured (bench_decode's decode_vs_flash_by_Lq, Lk = 4096, D = 128, one thread): with
+/// the vector products decode takes well under the flash time up to Lq = 8 (AVX-512 on a
+/// Xeon: 0.64x / 0.17x at Lq = 1 for MHA / GQA 32/8, 0.85x / 0.54x at Lq = 8, 1.2x / 0.95x at
+/// Lq = 16); Eigen's row-by-row products stop paying at Lq = 4.
+inline Index decode_max_queries(Isa isa) {
+  return isa == Isa::generic ? 4 : 8;
+}
+
+/// Problems with at most this many scores per head go to naive under Algorithm::automatic.
+inline constexpr Index tiny_problem_scores = 64 * 64;
+
+/// Flash tiles (query rows, keys) by instruction set, measured with bench_attention at
+/// D = 64 and 128 (docs/performance.md).
+inline Index default_query_tile(Isa /*isa*/) {
+  return 128;
+}
+inline Index default_key_tile(Isa /*isa*/) {
+  return 256;
+}
+/// Query rows per block of the chunked kernel.
+inline constexpr Index default_chunk_rows = 64;
+
+template <class T>
+constexpr const char* scalar_name() {
+  if constexpr (std::is_same_v<T, float>)
+    return "float";
+  else if constexpr (std::is_same_v<T, double>)
+    return "double";
+  else
+    return "long double";
+}
+
+/// The plan for `shape` with compute scalar T. Throws std::invalid_argument (naming
+/// `function`) for negative tiles and for weights requested from a kernel that cannot return
+/// them. The instruction set is active_isa() (attn/cpu.hpp) for float and generic otherwise;
+/// naive and chunked always use Eigen's products (generic).
+template <class T>
+KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Index query_tile,
+                          Index key_tile, bool wants_weights,
+                          const char* function = "plan_attention") {
+  if (query_tile < 0 || key_tile < 0) {
+    detail::throw_invalid_argument(function, "query_tile is " + std::to_string(query_tile) +
+                                                 " and key_tile is " + std::to_string(key_tile) +
+                                                 ": tile sizes must be >= 0 (0 = default)");
+  }
+  KernelPlan plan;
+  plan.scalar = scalar_name<T>();
+  const Isa isa = std::is_same_v<T, float> ? active_isa() : Isa::generic;
+  const Index q_length = shape.q_length, k_length = shape.k_length;
+  if (requested == Algorithm::automatic) {
+    if (wants_weights || q_length * k_length <= tiny_problem_scores)
+      plan.algorithm = Algorithm::naive;
+    else
+      plan.algorithm = q_length <= decode_max_queries(isa) ? Algorithm::decode : Algorithm::flash;
+  } else {
+    if (wants_weights && requested != Algorithm::naive) {
+      detail::throw_invalid_argument(function,
+                                     std::string("weights were requested with Algorithm::") +
+                                         algorithm_name(requested) +
+                                         ": only Algorithm::naive (or automatic) returns them");
+    }
+    plan.algorithm = requested;
+  }
+  const bool vector_products =
+      plan.algorithm == Algorithm::flash || plan.algorithm == Algorithm::decode;
+  plan.isa = vector_products ? isa : Isa::generic;
+
+  const Index heads = shape.batch * shape.q_heads;
+  const auto tiles_of = [](Index n, Index tile) {
+    return n == 0 ? Index(0) : (n + tile - 1) / tile;
+  };
+  switch (plan.algorithm) {
+    case Algorithm::chunked:
+      plan.query_tile = query_tile > 0 ? query_tile : default_chunk_rows;
+      plan.work_items = heads * tiles_of(q_length, plan.query_tile);
+      break;
+    case Algorithm::flash:
+      plan.query_tile = query_tile > 0 ? query_tile : default_query_tile(plan.isa);
+      plan.key_tile = key_tile > 0 ? key_tile : default_key_tile(plan.isa);
+      plan.work_items = heads * tiles_of(q_length, plan.query_tile);
+      break;
+    case Algorithm::decode:
+      plan.split_keys = decode_split_keys;
+      plan.key_block = decode_key_block;
+      plan.work_items =
+          q_length == 0 ? 0 : shape.batch * shape.kv_heads * tiles_of(k_length, plan.split_keys);
+      break;
+    default:
+      plan.work_items = heads;
+      break;
+  }
+  const double flops = 2.0 * static_cast<double>(q_length) * static_cast<double>(k_length) *
+                       static_cast<double>(shape.dim + shape.value_dim) *
+                       static_cast<double>(heads);
+  plan.parallel = plan.work_items > 1 && flops > 1e6;
+  plan.threads =
+      plan.parallel ? static_cast<int>(std::min<Index>(detail::max_threads(), plan.work_items)) : 1;
+  return plan;
+}
+
+/// The plan for `shape` and `options` (the algorithm and tiles they ask for).
+template <class T>
+KernelPlan plan_attention(const AttentionShape& shape, const AttentionOptions<T>& options,
+                          bool wants_weights = false) {
+  return plan_attention<T>(shape, options.algorithm, options.query_tile, options.key_tile,
+                           wants_weights);
+}
+
+}  // namespace attn
