@@ -1,6 +1,6 @@
 // bench/bench_multihead.cpp: MultiHeadAttention forward beside the GEMMs it is made of.
 //
-// Shapes (the QKV tutorial's batch, seed 002): B = 8, S = 512, E = 768, H = 12, D = 64.
+// Shapes (the QKV-projection tutorial's batch): B = 8, S = 512, E = 768, H = 12, D = 64.
 //   fma_peak         the FMA probe of the widest instruction set the CPU has (common.hpp)
 //   mha_forward      the whole forward (self-attention, fused QKV, no weights returned)
 //   qkv_gemm         (B*S, E) x (E, 3E) = (4096 x 768) x (768 x 2304), as in pass 1: attn's

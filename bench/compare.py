@@ -13,14 +13,14 @@ Debian's python3-numpy, python3-torch (1.13) and python3-matplotlib; no pip. Ste
    OPENBLAS_NUM_THREADS / OMP_NUM_THREADS / MKL_NUM_THREADS set before NumPy and torch are
    imported (NumPy and torch both call Debian's OpenBLAS here, whose pool is sized at load
    time), plus torch.set_num_threads(n). It times, at the same shapes, float32:
-     - the tutorial's NumPy attention (seed 000 `self_attention` without its projections:
+     - the tutorial's NumPy attention (the self-attention tutorial's `self_attention` without its projections:
        np.dot(Q, K.T), divide by np.sqrt(d_k), the tutorial's `softmax`, np.dot(weights, V)),
        called once per head for B * H = 8 heads, as the tutorial's 2-D function must be;
      - PyTorch bmm-softmax-bmm on (8, L, 64) tensors;
      - torch.nn.functional._scaled_dot_product_attention (private in torch 1.13) if present;
      - multi-head attention at E = 768, H = 12, B = 8, S = 512: the tutorials' NumPy path
-       (seed 002 `BatchQKVProjection.forward`: X @ W_q, X @ W_k, X @ W_v, reshape and
-       transpose to heads; seed 000's attention per (batch, head); then merging the heads and
+       (the QKV-projection tutorial's `BatchQKVProjection.forward`: X @ W_q, X @ W_k, X @ W_v, reshape and
+       transpose to heads; the self-attention tutorial's attention per (batch, head); then merging the heads and
        an output projection X @ W_o, which the tutorials leave out but every MHA has) and
        torch.nn.MultiheadAttention(768, 12, batch_first=True) in eval mode under no_grad with
        need_weights=False, loaded with the same weights.
@@ -88,12 +88,12 @@ def run_peers(threads, lengths):
 
     torch.set_num_threads(threads)
 
-    # The tutorial's softmax (seed 000, section 5), verbatim.
+    # The tutorial's softmax (the self-attention tutorial, section 5), verbatim.
     def softmax(x):
         e_x = np.exp(x - np.max(x, axis=-1, keepdims=True))
         return e_x / e_x.sum(axis=-1, keepdims=True)
 
-    # The tutorial's self_attention (seed 000, section 8) after its three projections.
+    # The tutorial's self_attention (the self-attention tutorial, section 8) after its three projections.
     def tutorial_attention(Q, K, V):
         attention_scores = np.dot(Q, K.T)
         scaled_attention_scores = attention_scores / np.sqrt(K.shape[-1])
@@ -152,17 +152,17 @@ def run_peers(threads, lengths):
         b, s, e, h = MHA["batch"], MHA["seq"], MHA["embed"], MHA["heads"]
         d = e // h
         x = rng.standard_normal((b, s, e), dtype=np.float32)
-        std = np.sqrt(2.0 / (e + e))  # seed 002's xavier_initialization
+        std = np.sqrt(2.0 / (e + e))  # the QKV-projection tutorial's xavier_initialization
         w_q, w_k, w_v, w_o = (rng.standard_normal((e, e), dtype=np.float32) * np.float32(std)
                               for _ in range(4))
 
         def numpy_mha():
-            # seed 002 BatchQKVProjection.forward
+            # the QKV-projection tutorial's BatchQKVProjection.forward
             Q = (x @ w_q).reshape(b, -1, h, d).transpose(0, 2, 1, 3)
             K = (x @ w_k).reshape(b, -1, h, d).transpose(0, 2, 1, 3)
             V = (x @ w_v).reshape(b, -1, h, d).transpose(0, 2, 1, 3)
             heads = np.empty((b, h, s, d), dtype=np.float32)
-            for i in range(b):  # seed 000's 2-D attention per (batch, head)
+            for i in range(b):  # the self-attention tutorial's 2-D attention per (batch, head)
                 for j in range(h):
                     heads[i, j], _ = tutorial_attention(Q[i, j], K[i, j], V[i, j])
             return heads.transpose(0, 2, 1, 3).reshape(b, s, e) @ w_o

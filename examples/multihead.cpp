@@ -1,4 +1,4 @@
-// examples/multihead.cpp: the QKV projection tutorial (seed 002) with attn, then a full
+// examples/multihead.cpp: the QKV-projection tutorial with attn, then a full
 // multi-head attention and a padded batch.
 //
 // Shapes (the tutorial's): batch B = 2, seq S = 10, hidden E = 768, H = 12 heads of
@@ -83,7 +83,7 @@ int run(const std::filesystem::path& out_dir) {
   const Index batch = 2, seq = 10, hidden = 768, heads = 12, head_dim = hidden / heads;
 
   // --- 1. QKV projection ----------------------------------------------------------------
-  std::cout << "== 1. QKV projection (seed 002) ==\n";
+  std::cout << "== 1. QKV projection (the QKV-projection tutorial) ==\n";
   numpy_random rng(42);  // np.random.seed(42)
   // The tutorial's xavier_initialization: randn(fan_in, fan_out) * sqrt(2 / (fan_in + fan_out)).
   const double std_xavier = std::sqrt(2.0 / (hidden + hidden));

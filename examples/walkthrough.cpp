@@ -1,4 +1,4 @@
-// examples/walkthrough.cpp: the NumPy self-attention tutorial (seed 000), step by step with attn.
+// examples/walkthrough.cpp: the NumPy self-attention tutorial, step by step with attn.
 //
 // The tutorial draws np.random.seed(42); X = randn(3, 4); Wq, Wk, Wv = randn(4, 3) (in
 // that order), then computes Q, K, V, the scores Q K^T, scales them by 1/sqrt(d_k), takes

@@ -3,9 +3,11 @@
 
 Reads Google Benchmark JSON files written by bench_attention (one or more runs of a build
 with -march=native and of a build without it, filtered to fma_peak and flash_isa) and
-prints one Markdown table: GFLOP/s, the share of the probe measured in the same run, the
-causal speed-up (time of the non-causal run over the causal one) and the plain build's
-speed over the native build's. Medians over the runs given.
+prints one Markdown table: GFLOP/s, the share of the probe measured in the same run (for
+generic: the probe of the widest instruction set, the machine's ceiling), the causal
+speed-up (time of the non-causal run over the causal one) and the plain build's speed over
+the native build's, as raw rates and as shares of each run's own probe (which cancels a
+machine that was busier during one of the runs). Medians over the runs given.
 
   scripts/isa_table.py --native dev.*.json --plain portable.*.json
 """
@@ -47,8 +49,8 @@ def main():
         return rates.get(key)
 
     print("| isa | L | D | causal | GFLOP/s (plain build) | share of probe | causal speed-up |"
-          " plain / native |")
-    print("|---|---|---|---|---|---|---|---|")
+          " plain / native | same, in shares of each run's probe |")
+    print("|---|---|---|---|---|---|---|---|---|")
     pattern = re.compile(r"flash_isa/isa:(\d)/L:(\d+)/D:(\d+)/causal:(\d)/threads:1$")
     rows = []
     for name in plain_rate:
@@ -66,8 +68,11 @@ def main():
             if base in plain_time:
                 speedup = f"{plain_time[base] / plain_time[name]:.2f}x"
         ratio = f"{rate / native_rate[name]:.2f}" if name in native_rate else "-"
+        native_peak = probe(native_rate, isa_name)
+        shares = (f"{(rate / peak) / (native_rate[name] / native_peak):.2f}"
+                  if name in native_rate and peak and native_peak else "-")
         print(f"| {isa_name} | {length} | {dim} | {causal} | {rate / 1e9:.1f} | {share} |"
-              f" {speedup} | {ratio} |")
+              f" {speedup} | {ratio} | {shares} |")
     print()
     print("probes (plain build): " + ", ".join(
         f"{isa} {probe(plain_rate, isa) / 1e9:.0f} GFLOP/s" for isa in ISAS if probe(plain_rate, isa)))

@@ -23,7 +23,7 @@ else
   preset="dev"
 fi
 
-packages=(cmake g++ make libeigen3-dev catch2 nlohmann-json3-dev libtinyxml2-dev ccache)
+packages=(cmake g++ make libeigen3-dev catch2 nlohmann-json3-dev libtinyxml2-dev ccache python3)
 case "$preset" in
   asan) ;;                                   # benchmarks are off in this preset
   clang) packages+=(libbenchmark-dev clang libomp-dev) ;;

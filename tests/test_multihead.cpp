@@ -1,7 +1,7 @@
 // Tests for attn/projection.hpp, attn/heads.hpp and attn/multihead.hpp: every
 // torch.nn.MultiheadAttention fixture (tests/reference/mha.json, written by
-// generate_mha.py), fused vs separate projections, split/merge heads, the seed-002 traps,
-// grouped-query attention and every validation error, in float and double.
+// generate_mha.py), fused vs separate projections, split/merge heads, the QKV-projection tutorial's
+// traps, grouped-query attention and every validation error, in float and double.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -296,8 +296,9 @@ TEMPLATE_TEST_CASE("Linear on a matrix and on a (B, S, in) batch", "[projection]
   REQUIRE_FALSE(no_bias.has_bias());
 }
 
-TEMPLATE_TEST_CASE("the seed-002 einsum trap: X @ W.T is not X @ W; from_torch transposes",
-                   "[projection]", float, double) {
+TEMPLATE_TEST_CASE(
+    "the QKV-projection tutorial's einsum trap: X @ W.T is not X @ W; from_torch transposes",
+    "[projection]", float, double) {
   using T = TestType;
   const attn::Matrix<T> x = random_matrix<T>(4, 8, 11);
   const attn::Matrix<T> w = random_matrix<T>(8, 8, 12);  // square, not symmetric
@@ -351,8 +352,9 @@ TEMPLATE_TEST_CASE("split_heads then merge_heads is the identity; views match", 
   }
 }
 
-TEMPLATE_TEST_CASE("seed-002 mistake two: reshape straight to (B, H, S, D) is wrong", "[heads]",
-                   float, double) {
+TEMPLATE_TEST_CASE(
+    "the QKV-projection tutorial's mistake two: reshape straight to (B, H, S, D) is wrong",
+    "[heads]", float, double) {
   using T = TestType;
   // The tutorial's shapes: batch 2, seq 10, hidden 768, 12 heads of 64.
   const Index B = 2, S = 10, H = 12, D = 64;

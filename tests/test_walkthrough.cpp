@@ -1,5 +1,5 @@
 // Tests for examples/walkthrough.cpp and examples/numpy_random.hpp against the NumPy
-// replay of the seed-000 tutorial, tests/reference/walkthrough.json (see generate.py):
+// replay of the self-attention tutorial, tests/reference/walkthrough.json (see generate.py):
 //   - numpy_random reproduces np.random.seed(42) + randn, bit for bit;
 //   - the library reproduces every stage of the tutorial (Q, K, V, scores, weights,
 //     output, causal weights and output) to 1e-12 relative;

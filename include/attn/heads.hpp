@@ -9,8 +9,8 @@
 //   - heads_view / blhd_view give the same (B, H, S, D) *view* of the (B, S, H, D) memory
 //     with no copy at all: only the strides differ. That is what MultiHeadAttention uses.
 //
-// Seed 002's "mistake two": (B, S, E) must be reshaped to (B, S, H, D) and *then*
-// transposed to (B, H, S, D). Reshaping straight to (B, H, S, D) reinterprets the memory:
+// The QKV-projection tutorial's "mistake two": (B, S, E) must be reshaped to (B, S, H, D) and
+// *then* transposed to (B, H, S, D). Reshaping straight to (B, H, S, D) reinterprets the memory:
 // "head" h would then hold rows h*S/H .. of the sequence with the features of several
 // heads interleaved. The shapes look right and the numbers are wrong (tested).
 #pragma once

@@ -30,7 +30,7 @@
 // Not supported (rejected with std::invalid_argument, never ignored): keep_mask and bias,
 // which act on individual (query, key) scores that linear attention never forms.
 //
-// The tutorial seed 000 (section 12) normalises by 1 / sum(q_i) with no feature map: the keys
+// The self-attention tutorial (section 12) normalises by 1 / sum(q_i) with no feature map: the keys
 // are missing from its normaliser, which can be zero or negative. README, "Linear attention".
 #pragma once
 

@@ -8,7 +8,7 @@
 // and computes x @ W.T + b. Never transpose by hand: import with Linear<T>::from_torch
 // (and export with Linear<T>::torch_weight).
 //
-// The einsum trap of the QKV tutorial (seed 002): it writes
+// The einsum trap of the QKV-projection tutorial: it writes
 //     Q = np.einsum('bsd,hd->bsh', X, W_q)
 // and calls it "X @ W_q". It is not: 'bsd,hd->bsh' contracts d with the *second* index of
 // W, i.e. it computes X @ W_q.T, which equals X @ W_q only for a symmetric W_q (and fails

@@ -1,4 +1,4 @@
-// attn/viz.hpp: attention weights as SVG heatmaps, the picture of the seed-000 tutorial
+// attn/viz.hpp: attention weights as SVG heatmaps, the picture of the self-attention tutorial
 // (seaborn's heatmap: Key on x, Query on y, values in the cells, YlGnBu) without a plotting
 // library: the SVG is written as text, with the standard library only.
 //

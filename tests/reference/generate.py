@@ -15,7 +15,7 @@ Files written next to this script
 ---------------------------------
 
 walkthrough.json
-    Replays the NumPy self-attention tutorial (seed 000): np.random.seed(42),
+    Replays the NumPy self-attention tutorial: np.random.seed(42),
     then X = randn(3, 4), Wq = randn(4, 3), Wk = randn(4, 3), Wv = randn(4, 3)
     drawn in that order (each rounded to float32-representable values right
     after drawing). Keys:

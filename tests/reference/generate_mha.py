@@ -47,7 +47,7 @@ float32 after drawing), so the float tests start from the same numbers.
 No case has a fully masked query row (torch returns NaN there; attn returns
 zeros, which the SDPA fixtures test).
 
-The seed-002-sized case (E=768, H=12, B=2, L=S=10) keeps the file small:
+The QKV-projection tutorial's case (E=768, H=12, B=2, L=S=10) keeps the file small:
 its input projection weights are small integers in [-8, 8] (written as JSON
 integers), its output projection weights are in {-1, 0, 1} * 2^-5 and its
 inputs are scaled by 2^-7, so that q, k, v and the output are of order 1
