@@ -300,10 +300,10 @@ TEMPLATE_TEST_CASE("decode with half and bfloat16 K and V accumulates in float",
 
 TEMPLATE_TEST_CASE("decode at the head dims models use (whole vectors of 16) and remainders",
                    "[decode][isa]", float, Eigen::half, Eigen::bfloat16) {
-  // The AVX-512 products (kernels/decode_avx512.hpp) take whole 16-float vectors and 4 keys
-  // x 4 rows at a time; these shapes give every row-block remainder (rows 1 .. 8) and key
-  // remainder (Lk % 4, block ends) with whole-vector dims, and a 16-lane tail (D 80, Dv 48
-  // are whole too; 72 / 40 are not).
+  // The vector products (kernels/simd/tile_products.inl) take whole vectors (16 floats on
+  // AVX-512, 8 on AVX2) and 4 keys x 4 rows (AVX2: 2) at a time; these shapes give every row-block
+  // remainder (rows 1 .. 8) and key remainder (Lk % 4, block ends) with whole-vector dims, and a
+  // 16-lane tail (D 80, Dv 48 are whole too; 72 / 40 are not).
   using S = TestType;
   std::mt19937 rng(13);
   for (const auto& [dim, value_dim] : {std::pair<Index, Index>{64, 128}, {128, 64}, {72, 40}}) {

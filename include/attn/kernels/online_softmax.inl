@@ -191,9 +191,9 @@ struct Kernels {
         first_tile = false;
       }
     }
-    for (Index r = 0; r < rows; ++r) {  // pass 3
-      finish_query(1, m + r, l + r, 0, ot + r, 0, stride, value_dim, out.row(r).data(),
-                   logsumexp != nullptr ? logsumexp + r : nullptr);
+    for (Index r = 0; r < rows; ++r) {  // pass 3 (with Dv = 0, ot is an empty buffer: null)
+      finish_query(1, m + r, l + r, 0, value_dim > 0 ? ot + r : ot, 0, stride, value_dim,
+                   out.row(r).data(), logsumexp != nullptr ? logsumexp + r : nullptr);
     }
   }
 
@@ -291,6 +291,11 @@ struct Kernels {
     for (Index r = 0; r < rows; ++r) {
       const Index h = kv_head * group + r / q_length, i = r % q_length;
       T* lse = logsumexp != nullptr ? logsumexp + (b * out.heads + h) * q_length + i : nullptr;
+      if (splits == 0) {  // Lk = 0: no partials to point into; the row sees no key
+        finish_query<T>(0, nullptr, nullptr, 0, nullptr, 0, 1, value_dim,
+                        out.head(b, h).row(i).data(), lse);
+        continue;
+      }
       finish_query(splits, partials + r, partials + rows + r, partial_size,
                    partials + 2 * rows + r * value_dim, partial_size, 1, value_dim,
                    out.head(b, h).row(i).data(), lse);
