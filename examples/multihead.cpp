@@ -29,6 +29,7 @@
 #include "attn/heads.hpp"
 #include "attn/multihead.hpp"
 #include "attn/projection.hpp"
+#include "attn/viz.hpp"
 #include "numpy_random.hpp"
 #include "output_dir.hpp"
 

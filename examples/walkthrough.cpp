@@ -28,6 +28,7 @@
 #include <Eigen/Core>
 
 #include "attn/attn.hpp"
+#include "attn/viz.hpp"
 #include "numpy_random.hpp"
 #include "output_dir.hpp"
 

@@ -19,9 +19,11 @@
 //     when column e of the head's v holds no NaN; NaN only in the value rows of hidden keys
 //     (or of a fully masked row) is unspecified and not compared (naive and chunked multiply
 //     every value row by its weight, 0 x NaN = NaN; flash skips hidden tiles);
-//   - error bound, per compared element, against naive in a wider type R (double for float, long
-//     double for double):  |kernel - ref| <= 2 |naive_T - ref| + floor + cond, with
-//       floor = (32 + 2 Lk) eps max(1, max|v|)       (tests/test_kernels.cpp's 2x-naive rule,
+//   - error bound, per compared element, against the long double reference of
+//     tests/support/reference.hpp, which shares no code with attn (its own visibility rule,
+//     softmax and loops):  |kernel - ref| <= 2 |plain_T - ref| + floor + cond, where plain_T
+//     is the same reference's loops run in T, and
+//       floor = (32 + 2 Lk) eps max(1, max|v|)       (tests/test_kernels.cpp's 2x-plain rule,
 //                                                      its floor widened for long rows)
 //       cond  = 2 max|v| min(1, 2 (D + 4) eps S)     (S = the largest |term| of a visible
 //                                                      logit: scale sum_d |q_d k_d|, ALiBi,
@@ -46,6 +48,11 @@
 #include <attn/attention.hpp>
 #include <attn/cpu.hpp>
 #include <attn/linear_attention.hpp>
+
+#include "support/instances.hpp"
+
+#include "support/masked_problem.hpp"
+#include "support/reference.hpp"
 
 namespace {
 
@@ -432,18 +439,44 @@ struct RowRule {
   double logit_scale = 0;  // S: the largest |term| of a visible logit
 };
 
-std::vector<RowRule> row_rules(const Problem& p) {
-  // The library's own visibility rule; Mask is validated, which the valid problem passes.
-  attn::Tensor<bool, 4> keep;
-  attn::Broadcast<bool> keep_view;
+/// The problem as the independent reference describes it, its numbers as T sees them.
+template <class T>
+attn_test::reference::Problem reference_problem(const Problem& p) {
+  using attn_test::reference::Causal;
+  attn_test::reference::Problem r;
+  r.batch = p.batch;
+  r.q_heads = p.q_heads;
+  r.kv_heads = p.kv_heads;
+  r.q_length = p.q_length;
+  r.k_length = p.k_length;
+  r.dim = p.dim;
+  r.value_dim = p.value_dim;
+  r.causal = p.causal == attn::Causal::top_left       ? Causal::top_left
+             : p.causal == attn::Causal::bottom_right ? Causal::bottom_right
+                                                      : Causal::none;
+  r.window_left = p.window.left;
+  r.window_right = p.window.right;
+  r.key_lengths = p.key_lengths;
   if (p.keep_dims[0] > 0) {
-    keep.resize(p.keep_dims[0], p.keep_dims[1], p.keep_dims[2], p.keep_dims[3]);
-    for (Index n = 0; n < keep.size(); ++n)
-      keep.data()[n] = p.keep[static_cast<std::size_t>(n)];
-    keep_view = attn::Broadcast<bool>(keep.data(), p.keep_dims);
+    r.keep.dims = p.keep_dims;
+    r.keep.data = p.keep;
   }
-  const attn::Mask<double> mask("fuzz", p.batch, p.q_heads, p.q_length, p.k_length, p.causal,
-                                p.window, p.key_lengths, keep_view, {});
+  if (p.bias_dims[0] > 0) {
+    r.bias.dims = p.bias_dims;
+    r.bias.data.assign(p.bias.begin(), p.bias.end());
+  }
+  r.alibi_slopes.assign(p.alibi.begin(), p.alibi.end());
+  if (p.softcap != 0)
+    r.softcap = p.softcap;
+  if (p.scale != 0)
+    r.scale = p.scale;
+  attn_test::round_numbers_to<T>(r);
+  return r;
+}
+
+std::vector<RowRule> row_rules(const Problem& p) {
+  // The reference's visibility rule, written from the docs, not attn's Mask.
+  const attn_test::reference::Problem mask = reference_problem<double>(p);
   const auto bias_at = [&](Index b, Index h, Index i, Index j) {
     if (p.bias.empty())
       return 0.0;
@@ -516,10 +549,9 @@ std::vector<RowRule> row_rules(const Problem& p) {
   return rules;
 }
 
-template <class T, class R>
+template <class T>
 void check_attention(const Problem& p) {
   Typed<T> typed(p);
-  Typed<R> wide(p);
   // naive and chunked (Eigen's products), then flash and decode on every instruction set
   // this CPU has, each forced in turn (attn/cpu.hpp): one build fuzzes every path.
   struct Kernel {
@@ -538,7 +570,7 @@ void check_attention(const Problem& p) {
     }
   }
   const int kernel_count = static_cast<int>(kernels.size());
-  const std::string reference_error = wide.run(p, attn::Algorithm::naive);
+  std::string first_error;
   std::vector<std::vector<T>> outs(kernels.size()), lses(kernels.size());
   for (int n = 0; n < kernel_count; ++n) {
     const Kernel& kernel = kernels[static_cast<std::size_t>(n)];
@@ -548,9 +580,10 @@ void check_attention(const Problem& p) {
     if (p.invalid != Invalid::none) {
       if (error.rfind("invalid_argument: scaled_dot_product_attention: ", 0) != 0)
         fail(p, name + " did not throw std::invalid_argument: '" + error + "'");
-      if (error != reference_error)
-        fail(p,
-             name + " threw '" + error + "' but naive in the wide type '" + reference_error + "'");
+      if (n == 0)
+        first_error = error;
+      else if (error != first_error)
+        fail(p, name + " threw '" + error + "' but naive '" + first_error + "'");
       continue;
     }
     if (!error.empty())
@@ -566,8 +599,14 @@ void check_attention(const Problem& p) {
   }
   if (p.invalid != Invalid::none)
     return;
-  if (!reference_error.empty())
-    fail(p, "the wide reference threw: " + reference_error);
+  // The truth in long double, and the same loops in T: the error of a plain implementation.
+  const attn_test::reference::Problem problem = reference_problem<T>(p);
+  const auto exact = [](const std::vector<T>& x) {
+    return std::vector<long double>(x.begin(), x.end());
+  };
+  const std::vector<long double> q = exact(typed.q), k = exact(typed.k), v = exact(typed.v);
+  const auto truth = attn_test::reference::attention<long double>(problem, q, k, v);
+  const auto plain = attn_test::reference::attention<T>(problem, q, k, v);
 
   const double eps = static_cast<double>(std::numeric_limits<T>::epsilon());
   const std::vector<RowRule> rules = row_rules(p);
@@ -581,14 +620,14 @@ void check_attention(const Problem& p) {
     for (Index e = 0; e < dv; ++e) {
       if (!rule.must_be_nan[static_cast<std::size_t>(e)])
         continue;
-      if (!std::isnan(at(wide.out, e)))
+      if (!std::isnan(at(truth.out, e)))
         fail(p, "row " + std::to_string(row) + " is reached by NaN but the reference is not");
       for (int n = 0; n < kernel_count; ++n) {
-        const std::size_t k = static_cast<std::size_t>(n);
-        if (!std::isnan(at(outs[k], e))) {
-          fail(p, kernels[k].name + ": row " + std::to_string(row) + " element " +
+        const std::size_t kernel = static_cast<std::size_t>(n);
+        if (!std::isnan(at(outs[kernel], e))) {
+          fail(p, kernels[kernel].name + ": row " + std::to_string(row) + " element " +
                       std::to_string(e) + " is reached by NaN but holds " +
-                      std::to_string(at(outs[k], e)));
+                      std::to_string(at(outs[kernel], e)));
         }
       }
     }
@@ -597,22 +636,22 @@ void check_attention(const Problem& p) {
         (32 + 2 * static_cast<double>(p.k_length)) * eps * std::max(1.0, rule.value_max);
     const double cond = 2 * rule.value_max * std::min(1.0, logit_error);
     const auto compared = [&](Index e) { return rule.compared[static_cast<std::size_t>(e)] != 0; };
-    double naive_error = 0;
+    double plain_error = 0;
     for (Index e = 0; e < dv; ++e) {
       if (compared(e))
-        naive_error = std::max(naive_error, std::abs(at(outs[0], e) - at(wide.out, e)));
+        plain_error = std::max(plain_error, std::abs(at(plain.out, e) - at(truth.out, e)));
     }
-    const double lse_expected = static_cast<double>(wide.lse[row]);
+    const double lse_expected = static_cast<double>(truth.lse[row]);
     const bool nothing_seen = lse_expected == -std::numeric_limits<double>::infinity();
     if (!rule.sees_keys && !nothing_seen)
       fail(p, "row " + std::to_string(row) + " sees no key but its log-sum-exp is not -inf");
     for (int n = 0; n < kernel_count; ++n) {
       const std::string& name = kernels[static_cast<std::size_t>(n)].name;
-      const double bound = (n == 0 ? naive_error : 2 * naive_error) + floor + cond;
+      const double bound = 2 * plain_error + floor + cond;
       for (Index e = 0; e < dv; ++e) {
         if (!compared(e))
           continue;
-        const double expected = at(wide.out, e), actual = at(outs[static_cast<std::size_t>(n)], e);
+        const double expected = at(truth.out, e), actual = at(outs[static_cast<std::size_t>(n)], e);
         if (!std::isfinite(expected))
           fail(p, "row " + std::to_string(row) + ": the reference is not finite");
         if (!(std::abs(actual - expected) <= bound)) {
@@ -700,7 +739,7 @@ void check_linear(const Problem& p) {
 
 template <class T, class R>
 void check(const Problem& p) {
-  check_attention<T, R>(p);
+  check_attention<T>(p);
   if (p.linear && p.invalid == Invalid::none && !p.has_nan && !p.large)
     check_linear<T, R>(p);
 }

@@ -10,6 +10,9 @@
 # turn, attn/cpu.hpp); the two builds differ in what the compiler may use outside attn's
 # target regions (naive and chunked are Eigen's products, compiled for the build's flags).
 #
+# The preset ci builds the portable variant in its tree and runs it as the ctest
+# fuzz_attention; this script runs either variant alone, for as long as you like.
+#
 # Builds go to build/fuzz/; each run starts from the committed seed corpus fuzz/corpus/
 # (read only: new inputs go to build/fuzz/corpus-<variant>/), prints libFuzzer's final
 # statistics and the number of executions. A crash leaves its reproducer in build/fuzz/
@@ -32,8 +35,9 @@ mkdir -p "$out"
 cxx="${ATTN_FUZZ_CXX:-clang++}"
 
 flags_for() {
-  local flags=(-std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
-    -fno-omit-frame-pointer -isystem /usr/include/eigen3 -I include)
+  local flags=(-std=c++17 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all
+    -fno-omit-frame-pointer -isystem /usr/include/eigen3 -I include -I tests
+    "-DATTN_FIXTURE_DIR=\"$repo_root/tests/reference\"")
   case "$1" in
     portable) ;;
     native) flags+=(-march=native) ;;
@@ -45,19 +49,27 @@ flags_for() {
   printf '%s\n' "${flags[@]}"
 }
 
-# Build every variant at once (one compiler each: the machine has 2 cores), then run them
-# at once for $seconds each.
+# The target and the instantiations it shares with the unit tests (tests/instances/), every
+# translation unit of every variant two at a time (the machine has 2 cores).
 start=$SECONDS
-pids=()
+jobs=()
 for variant in "${variants[@]}"; do
   mapfile -t flags < <(flags_for "$variant")
   ((${#flags[@]} > 0)) || exit 2
-  echo "== fuzz: build $out/fuzz_attention_$variant =="
-  "$cxx" "${flags[@]}" fuzz/fuzz_attention.cpp -o "$out/fuzz_attention_$variant" &
-  pids+=($!)
+  mkdir -p "$out/$variant"
+  for source in fuzz/fuzz_attention.cpp tests/instances/*.cpp; do
+    object="$out/$variant/$(basename "$source" .cpp).o"
+    case "$source" in
+      fuzz/*) extra=(-fsanitize=fuzzer) ;;
+      *) extra=(-fsanitize=fuzzer-no-link) ;;
+    esac
+    jobs+=("$(printf '%q ' "$cxx" "${flags[@]}" "${extra[@]}" -c "$source" -o "$object")")
+  done
 done
-for pid in "${pids[@]}"; do
-  wait "$pid"
+printf '%s\n' "${jobs[@]}" | xargs -d '\n' -P 2 -I {} sh -c '{}'
+for variant in "${variants[@]}"; do
+  echo "== fuzz: link $out/fuzz_attention_$variant =="
+  "$cxx" -fsanitize=fuzzer,address,undefined "$out/$variant"/*.o -o "$out/fuzz_attention_$variant"
 done
 echo "== fuzz: built in $((SECONDS - start)) s =="
 isas="generic"

@@ -2,7 +2,7 @@
 # Configures, builds and runs the whole attn test suite with a CMake preset.
 #
 #   ./scripts/test.sh               # preset "ci" when CI=true, else "dev"
-#   ./scripts/test.sh asan          # any preset from CMakePresets.json
+#   ./scripts/test.sh ci            # any preset from CMakePresets.json
 #   ./scripts/test.sh dev -R mask   # arguments after the preset go to ctest
 #
 # Installs the Debian packages it needs when run as root (otherwise prints the
@@ -23,24 +23,23 @@ else
   preset="dev"
 fi
 
-packages=(cmake g++ make libeigen3-dev catch2 nlohmann-json3-dev libtinyxml2-dev ccache python3)
+packages=(cmake g++ make libeigen3-dev catch2 nlohmann-json3-dev libtinyxml2-dev libbenchmark-dev
+  pkg-config python3)
 case "$preset" in
-  asan) ;;                                   # benchmarks are off in this preset
-  clang) packages+=(libbenchmark-dev clang libomp-dev) ;;
-  *) packages+=(libbenchmark-dev) ;;
+  ci) packages+=(clang libomp-dev libclang-rt-14-dev) ;;  # sanitizers, libFuzzer, OpenMP
+  clang) packages+=(clang libomp-dev) ;;
 esac
 attn_ensure_packages "${packages[@]}"
 
-if [[ "$preset" == "asan" ]]; then
-  export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1}"
-  export UBSAN_OPTIONS="${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}"
-fi
-
+step() {
+  local name="$1" start=$SECONDS
+  shift
+  echo "== attn: $name (preset $preset) =="
+  "$@"
+  echo "== attn: $name (preset $preset) in $((SECONDS - start)) s =="
+}
 start=$SECONDS
-echo "== attn: configure (preset $preset) =="
-cmake --preset "$preset"
-echo "== attn: build (preset $preset) =="
-cmake --build --preset "$preset"
-echo "== attn: test (preset $preset) =="
-ctest --preset "$preset" "$@"
+step configure cmake --preset "$preset"
+step build cmake --build --preset "$preset"
+step test ctest --preset "$preset" "$@"
 echo "== attn: preset $preset passed in $((SECONDS - start)) s =="

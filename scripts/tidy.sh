@@ -9,8 +9,8 @@
 #   ./scripts/tidy.sh ci --strict   # exit non-zero on any warning
 #   ATTN_TIDY_FILES="tests/test_init.cpp" ./scripts/tidy.sh ci   # only these files
 #
-# Without --strict it fails only when clang-tidy itself errors (e.g. cannot
-# parse a file); warnings are reported, as .clang-tidy sets WarningsAsErrors ''.
+# Without --strict it fails only when clang-tidy itself errors (e.g. cannot parse a file)
+# and reports the warnings; with --strict (as CI runs it) any warning fails.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -61,13 +61,13 @@ printf '%s\n' "${files[@]}" |
     --extra-arg=-Wno-unknown-warning-option >"$log" 2>&1 || status=$?
 
 # A header's warning repeats in every file that includes it: count it once.
-warnings="$(grep -E ': warning: .*\[[a-z0-9.,-]+\]$' "$log" | sort -u | wc -l)"
+warnings="$( (grep -E ': warning: .*\[[a-z0-9.,-]+\]$' "$log" || true) | sort -u | wc -l)"
 errors="$(grep -cE '(^|: )error: |^Error while processing' "$log" || true)"
-grep -E '(^|: )(warning|error): |^Error while processing' "$log" | sort -u || true
+(grep -E '(^|: )(warning|error): |^Error while processing' "$log" || true) | sort -u
 echo
 echo "tidy: per check (unique locations):"
-grep -E ': warning: .*\[[a-z0-9.,-]+\]$' "$log" | sort -u |
-  grep -oE '\[[a-z0-9.,-]+\]$' | sort | uniq -c | sort -rn || true
+(grep -E ': warning: .*\[[a-z0-9.,-]+\]$' "$log" || true) | sort -u |
+  (grep -oE '\[[a-z0-9.,-]+\]$' || true) | sort | uniq -c | sort -rn
 echo "tidy: ${warnings} warnings, ${errors} errors"
 
 if ((status != 0 || errors > 0)); then

@@ -8,6 +8,8 @@
 
 #include <attn/attention.hpp>
 
+#include "support/instances.hpp"
+
 #include "support/fixtures.hpp"
 #include "support/sdpa_case.hpp"
 
@@ -40,7 +42,7 @@ TEMPLATE_TEST_CASE("batched attention matches the PyTorch fixtures", "[attention
                    double) {
   using T = TestType;
   const double rtol = attn_test::tolerance<T>();
-  for (const json& c : attn_test::fixture("sdpa.json").at("cases")) {
+  for (const json& c : ATTN_FIXTURE_CASES("sdpa.json", "cases", attn_test::sdpa_case_count)) {
     SECTION(c.at("name").get<std::string>()) {
       const attn_test::SdpaCase<T> fx(c);
       attn::Tensor<T, 4> weights;
@@ -74,7 +76,7 @@ TEMPLATE_TEST_CASE("batched attention matches the PyTorch fixtures", "[attention
 TEMPLATE_TEST_CASE("(B, L, H, D) memory through strided views matches the fixtures",
                    "[attention][isa]", float, double) {
   using T = TestType;
-  for (const json& c : attn_test::fixture("sdpa.json").at("cases")) {
+  for (const json& c : ATTN_FIXTURE_CASES("sdpa.json", "cases", attn_test::sdpa_case_count)) {
     SECTION(c.at("name").get<std::string>()) {
       const attn_test::SdpaCase<T> fx(c);
       // Transpose q, k, v to (B, L, H, D) storage, as a projection writes them.
@@ -100,7 +102,7 @@ TEMPLATE_TEST_CASE("the one-head matrix overload matches the fixtures head by he
                    "[attention][isa]", float, double) {
   using T = TestType;
   const double rtol = attn_test::tolerance<T>();
-  for (const json& c : attn_test::fixture("sdpa.json").at("cases")) {
+  for (const json& c : ATTN_FIXTURE_CASES("sdpa.json", "cases", attn_test::sdpa_case_count)) {
     SECTION(c.at("name").get<std::string>()) {
       const attn_test::SdpaCase<T> fx(c);
       const Index batch = fx.q.dimension(0), hq = fx.q.dimension(1), lq = fx.q.dimension(2);
@@ -287,7 +289,7 @@ TEST_CASE("scaled_dot_product_attention rejects inconsistent shapes and options"
 }
 
 TEST_CASE("alibi_slopes follows the ALiBi authors' schedule", "[attention][isa]") {
-  const json& schedules = attn_test::fixture("sdpa.json").at("alibi_schedules");
+  const json& schedules = ATTN_FIXTURE_CASES("sdpa.json", "alibi_schedules", 16);
   for (Index heads = 1; heads <= 16; ++heads) {
     INFO(heads << " heads");
     const auto expected = schedules.at(std::to_string(heads)).get<std::vector<double>>();

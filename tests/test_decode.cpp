@@ -1,9 +1,10 @@
 // Tests for attn/kernels/decode.hpp, attn/kv_cache.hpp and
-// MultiHeadAttention::forward_incremental: the decode kernel against a double-precision
-// reference for Lq 1..8, Lk {1, 7, 300, 5000}, GQA groups 1..8 and every mask kind, in float,
-// double and with half / bfloat16 K and V; a long context where a half accumulator fails;
-// thread-count independence; the cache's growth, overflow and every error message; and
-// token-by-token decoding through MultiHeadAttention against its full causal forward.
+// MultiHeadAttention::forward_incremental: the decode kernel against the long double
+// reference of support/reference.hpp for Lq 1..8, Lk {1, 7, 300, 5000}, GQA groups 1..8 and
+// every mask kind, in float, double and with half / bfloat16 K and V; a long context where a
+// half accumulator fails; thread-count independence; the cache's growth, overflow and every
+// error message; and token-by-token decoding through MultiHeadAttention against its full
+// causal forward.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -18,167 +19,31 @@
 #include <attn/kv_cache.hpp>
 #include <attn/multihead.hpp>
 
+#include "support/instances.hpp"
+
+#include "support/fixtures.hpp"
 #include "support/heads.hpp"
+#include "support/masked_problem.hpp"
 
 using attn::Index;
 using attn_test::Heads;
-using attn_test::max_abs_error;
 using attn_test::random_heads;
+using attn_test::reference::Problem;
 using Catch::Matchers::Contains;
 
 namespace {
 
-struct Problem {
-  Index batch, q_heads, kv_heads, q_length, k_length, dim, value_dim;
-  int mask_kind;
-};
-
-constexpr int mask_kinds = 10;
-const char* const mask_names[mask_kinds] = {
-    "none",
-    "causal top-left",
-    "causal bottom-right",
-    "window (3, 2)",
-    "window (-1, 0) + key lengths (one 0)",
-    "keep-mask (B, Hq, Lq, Lk)",
-    "bias (1, Hq, Lq, Lk) with -inf",
-    "causal bottom-right + ALiBi",
-    "softcap 3 + key lengths",
-    "causal bottom-right + window (6, -1) + keep-mask (B, 1, 1, Lk) + bias + ALiBi + softcap",
-};
-
-std::string describe(const Problem& p) {
-  return "B " + std::to_string(p.batch) + ", Hq " + std::to_string(p.q_heads) + ", Hkv " +
-         std::to_string(p.kv_heads) + ", Lq " + std::to_string(p.q_length) + ", Lk " +
-         std::to_string(p.k_length) + ", D " + std::to_string(p.dim) + ", Dv " +
-         std::to_string(p.value_dim) + ", mask: " + mask_names[p.mask_kind];
-}
-
-/// The masks of one problem, in double (converted to T by options<T>()).
-struct MaskData {
-  attn::Tensor<bool, 4> keep;
-  attn::Tensor<double, 4> bias;
-  std::vector<Index> key_lengths;
-};
-
-MaskData make_masks(const Problem& p, std::mt19937& rng) {
-  MaskData m;
-  std::bernoulli_distribution keep(0.7), hide(0.1);
-  std::normal_distribution<double> normal(0.0, 1.0);
-  if (p.mask_kind == 5) {
-    m.keep.resize(p.batch, p.q_heads, p.q_length, p.k_length);
-  } else if (p.mask_kind == 9) {
-    m.keep.resize(p.batch, 1, 1, p.k_length);
-  }
-  for (Index n = 0; n < m.keep.size(); ++n)
-    m.keep.data()[n] = keep(rng);
-  if (p.mask_kind == 6 || p.mask_kind == 9) {
-    m.bias.resize(1, p.q_heads, p.q_length, p.k_length);
-    for (Index n = 0; n < m.bias.size(); ++n) {
-      m.bias.data()[n] =
-          p.mask_kind == 6 && hide(rng) ? -std::numeric_limits<double>::infinity() : normal(rng);
-    }
-  }
-  for (Index b = 0; b < p.batch; ++b)
-    m.key_lengths.push_back(b == 0 ? p.k_length : (b == 1 ? 0 : p.k_length / 2));
-  return m;
-}
-
-/// AttentionOptions<T> for the problem's mask kind; `bias` holds the T copy of the bias.
-template <class T>
-attn::AttentionOptions<T> options_for(const Problem& p, const MaskData& m,
-                                      attn::Tensor<T, 4>& bias) {
-  attn::AttentionOptions<T> o;
-  if (m.keep.size() > 0)
-    o.keep_mask = m.keep;
-  if (m.bias.size() > 0) {
-    bias = m.bias.template cast<T>();
-    o.bias = bias;
-  }
-  switch (p.mask_kind) {
-    case 1:
-      o.causal = attn::Causal::top_left;
-      break;
-    case 2:
-      o.causal = attn::Causal::bottom_right;
-      break;
-    case 3:
-      o.window = {3, 2};
-      break;
-    case 4:
-      o.window = {-1, 0};
-      o.key_lengths = m.key_lengths;
-      break;
-    case 7:
-      o.causal = attn::Causal::bottom_right;
-      o.alibi_slopes = attn::alibi_slopes<T>(p.q_heads);
-      break;
-    case 8:
-      o.softcap = T(3);
-      o.key_lengths = m.key_lengths;
-      break;
-    case 9:
-      o.causal = attn::Causal::bottom_right;
-      o.window = {6, -1};
-      o.alibi_slopes = attn::alibi_slopes<T>(p.q_heads);
-      o.softcap = T(3);
-      break;
-    default:
-      break;
-  }
-  return o;
-}
-
-/// Attention in double with rounding hooks: `round` is applied to the raw scores, to the
-/// probabilities and to the output, which emulates a kernel that keeps those in a narrow
-/// type (identity = the exact reference). Also returns the log-sum-exp.
-template <class Round>
-std::vector<double> reference(const Problem& p, const Heads<double>& q, const Heads<double>& k,
-                              const Heads<double>& v, const MaskData& m, Round round,
-                              std::vector<double>* lse = nullptr) {
-  attn::Tensor<double, 4> bias;
-  const attn::AttentionOptions<double> o = options_for<double>(p, m, bias);
-  const attn::Mask<double> mask("reference", p.batch, p.q_heads, p.q_length, p.k_length, o.causal,
-                                o.window, o.key_lengths, o.keep_mask, o.bias, o.alibi_slopes,
-                                o.softcap);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(p.dim));
-  const Index group = p.q_heads / p.kv_heads;
-  Heads<double> out(p.batch, p.q_heads, p.q_length, p.value_dim);
-  if (lse != nullptr)
-    lse->assign(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length), 0.0);
-  for (Index b = 0; b < p.batch; ++b) {
-    for (Index h = 0; h < p.q_heads; ++h) {
-      attn::Matrix<double> s =
-          scale * (q.cview().head(b, h) * k.cview().head(b, h / group).transpose());
-      s = s.unaryExpr(round);
-      mask.apply(b, h, 0, 0, s);
-      for (Index i = 0; i < p.q_length; ++i) {
-        const double l = attn::detail::softmax_in_place(s.row(i).data(), p.k_length);
-        if (lse != nullptr)
-          (*lse)[static_cast<std::size_t>((b * p.q_heads + h) * p.q_length + i)] = l;
-      }
-      s = s.unaryExpr(round);
-      attn::Matrix<double> o_head = s * v.cview().head(b, h / group);
-      out.view().head(b, h) = o_head.unaryExpr(round);
-    }
-  }
-  return out.data;
-}
-
-double identity(double x) {
-  return x;
-}
-
-/// The decode kernel itself (any storage type S), with the problem's masks.
+/// The decode kernel itself (K and V stored as S), with split and key block sizes of the
+/// test's choosing, so that many splits and ragged blocks run on small problems.
 template <class S>
 std::vector<float> run_decode(const Problem& p, const Heads<float>& q, const Heads<S>& k,
-                              const Heads<S>& v, const MaskData& m, Index split_keys,
-                              Index key_block, std::vector<float>* lse = nullptr) {
-  attn::Tensor<float, 4> bias;
-  const attn::AttentionOptions<float> o = options_for<float>(p, m, bias);
-  const attn::Mask<float> mask("decode", p.batch, p.q_heads, p.q_length, p.k_length, o.causal,
-                               o.window, o.key_lengths, o.keep_mask, o.bias, o.alibi_slopes,
-                               o.softcap);
+                              const Heads<S>& v, Index split_keys, Index key_block,
+                              std::vector<float>* lse = nullptr) {
+  const attn_test::AttnOptions<float> o(p);
+  const attn::AttentionOptions<float>& a = o.options;
+  const attn::Mask<float> mask("decode", p.batch, p.q_heads, p.q_length, p.k_length, a.causal,
+                               a.window, a.key_lengths, a.keep_mask, a.bias, a.alibi_slopes,
+                               a.softcap);
   Heads<float> out(p.batch, p.q_heads, p.q_length, p.value_dim);
   std::vector<float> l(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
   attn::KernelPlan plan = attn::plan_attention<float>(
@@ -187,110 +52,115 @@ std::vector<float> run_decode(const Problem& p, const Heads<float>& q, const Hea
   plan.split_keys = split_keys;
   plan.key_block = key_block;
   attn::detail::decode_attention<float, S>(plan, q.cview(), k.cview(), v.cview(), out.view(), mask,
-                                           1.0f / std::sqrt(static_cast<float>(p.dim)), l.data());
+                                           static_cast<float>(*p.scale), l.data());
   if (lse != nullptr)
     *lse = l;
   return out.data;
 }
 
+/// Decode (and naive, its yardstick) against the long double reference on one problem.
 template <class T>
-constexpr double error_floor() {
-  return 32 * static_cast<double>(std::numeric_limits<T>::epsilon());
+void check_decode(Problem p, int kind, std::mt19937& rng) {
+  attn_test::round_numbers_to<T>(p);
+  INFO(attn_test::describe(p, kind));
+  const Heads<T> q = random_heads<T>(p.batch, p.q_heads, p.q_length, p.dim, rng);
+  const Heads<T> k = random_heads<T>(p.batch, p.kv_heads, p.k_length, p.dim, rng);
+  const Heads<T> v = random_heads<T>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng);
+  const auto qe = attn_test::exact(q), ke = attn_test::exact(k), ve = attn_test::exact(v);
+  const auto truth = attn_test::reference::attention<long double>(p, qe, ke, ve);
+  const double plain_error =
+      attn_test::max_error(attn_test::reference::attention<T>(p, qe, ke, ve).out, truth.out);
+  const double bound = attn_test::error_bound<T>(plain_error);
+  attn_test::AttnOptions<T> o(p);
+  for (const attn::Algorithm algorithm : {attn::Algorithm::naive, attn::Algorithm::decode}) {
+    INFO(attn::algorithm_name(algorithm));
+    o.options.algorithm = algorithm;
+    Heads<T> out(p.batch, p.q_heads, p.q_length, p.value_dim);
+    std::vector<T> lse(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
+    attn::scaled_dot_product_attention_into<T>(q.cview(), k.cview(), v.cview(), out.view(),
+                                               o.options, nullptr, lse.data());
+    const double error = attn_test::max_error(out.data, truth.out);
+    CAPTURE(plain_error, error, bound);
+    REQUIRE(error <= bound);
+    const auto cmp =
+        attn_test::compare(lse.data(), truth.lse.data(), lse.size(),
+                           64 * static_cast<double>(std::numeric_limits<T>::epsilon()));
+    INFO(cmp.detail);
+    REQUIRE(cmp.ok);
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    // Many splits and ragged blocks on a small problem: the merge path.
+    const double small_splits_error =
+        attn_test::max_error(run_decode<float>(p, q, k, v, 7, 3), truth.out);
+    CAPTURE(small_splits_error);
+    REQUIRE(small_splits_error <= bound);
+  }
 }
 
-}  // namespace
-
-TEMPLATE_TEST_CASE("decode matches a double reference and is within 2x naive's error",
-                   "[decode][isa]", float, double) {
-  using T = TestType;
+template <class T>
+void decode_against_reference() {
   std::mt19937 rng(7);
   for (const Index k_length : {1, 7, 300, 5000}) {
     for (const Index q_length : {1, 3, 8}) {
       for (const Index group : {1, 2, 4, 8}) {
-        for (int kind = 0; kind < mask_kinds; ++kind) {
-          // Big problems only for a few mask kinds: the reference is O(Lq * Lk) per head.
-          if (k_length == 5000 && (group == 2 || kind % 3 != 0 || q_length == 3))
+        for (int kind = 0; kind < attn_test::mask_kinds; ++kind) {
+          // Long contexts only for a few mask kinds: the reference is O(Lq * Lk) per head.
+          if (k_length == 5000 && (group == 2 || group == 4 || kind % 4 != 0 || q_length > 1))
             continue;
-          const Problem p{2, 2 * group, 2, q_length, k_length, 19, 13, kind};
-          INFO(describe(p));
-          const MaskData m = make_masks(p, rng);
-          const auto q = random_heads<double>(p.batch, p.q_heads, p.q_length, p.dim, rng);
-          const auto k = random_heads<double>(p.batch, p.kv_heads, p.k_length, p.dim, rng);
-          const auto v = random_heads<double>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng);
-          const Heads<T> qt = q.template cast<T>(), kt = k.template cast<T>(),
-                         vt = v.template cast<T>();
-          std::vector<double> expected_lse;
-          const std::vector<double> expected =
-              reference(p, q.cast<T>().template cast<double>(), k.cast<T>().template cast<double>(),
-                        v.cast<T>().template cast<double>(), m, identity, &expected_lse);
-          attn::Tensor<T, 4> bias;
-          attn::AttentionOptions<T> o = options_for<T>(p, m, bias);
-          const auto run = [&](attn::Algorithm algorithm, std::vector<T>* lse) {
-            o.algorithm = algorithm;
-            Heads<T> out(p.batch, p.q_heads, p.q_length, p.value_dim);
-            lse->resize(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
-            attn::scaled_dot_product_attention_into<T>(qt.cview(), kt.cview(), vt.cview(),
-                                                       out.view(), o, nullptr, lse->data());
-            return out.data;
-          };
-          std::vector<T> naive_lse, decode_lse;
-          const double naive_error =
-              max_abs_error(run(attn::Algorithm::naive, &naive_lse), expected);
-          const double decode_error =
-              max_abs_error(run(attn::Algorithm::decode, &decode_lse), expected);
-          CAPTURE(naive_error, decode_error);
-          REQUIRE(decode_error <= 2 * naive_error + error_floor<T>());
-          REQUIRE(max_abs_error(decode_lse, expected_lse) <=
-                  2 * max_abs_error(naive_lse, expected_lse) + 8 * error_floor<T>());
-          if constexpr (std::is_same_v<T, float>) {
-            // Many splits and ragged blocks on a small problem: the merge path.
-            const double small_splits_error =
-                max_abs_error(run_decode<float>(p, qt, kt, vt, m, 7, 3), expected);
-            CAPTURE(small_splits_error);
-            REQUIRE(small_splits_error <= 2 * naive_error + error_floor<T>());
-          }
+          if (k_length == 300 && (kind + group + q_length) % 2 == 1)
+            continue;
+          check_decode<T>(
+              attn_test::masked_problem(3, 2 * group, 2, q_length, k_length, 19, 13, kind, rng),
+              kind, rng);
         }
       }
     }
   }
 }
 
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE(
+    "decode matches a long double reference within 2x a plain "
+    "implementation's error",
+    "[decode]", decode_against_reference)
+
 TEMPLATE_TEST_CASE("decode with half and bfloat16 K and V accumulates in float", "[decode][isa]",
                    Eigen::half, Eigen::bfloat16) {
   using S = TestType;
-  const auto round_to_s = [](double x) {
-    return static_cast<double>(static_cast<float>(S(static_cast<float>(x))));
-  };
   std::mt19937 rng(11);
   for (const Index k_length : {1, 7, 300, 5000}) {
     for (const Index q_length : {1, 2, 8}) {
       for (const Index group : {1, 4, 8}) {
-        for (int kind = 0; kind < mask_kinds; ++kind) {
-          if ((k_length == 5000 && (kind % 3 != 0 || q_length > 1)) || (q_length == 2 && kind % 2))
+        for (int kind = 0; kind < attn_test::mask_kinds; ++kind) {
+          if ((k_length == 5000 && (kind % 4 != 0 || q_length > 1)) ||
+              (k_length == 300 && (kind + group) % 2 == 1) || (q_length == 2 && kind % 2))
             continue;
-          const Problem p{2, 2 * group, 2, q_length, k_length, 40, 24, kind};
-          INFO(describe(p));
-          const MaskData m = make_masks(p, rng);
+          Problem p =
+              attn_test::masked_problem(2, 2 * group, 2, q_length, k_length, 40, 24, kind, rng);
+          attn_test::round_numbers_to<float>(p);
+          INFO(attn_test::describe(p, kind));
           const auto q = random_heads<float>(p.batch, p.q_heads, p.q_length, p.dim, rng);
-          const auto k = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.dim, rng);
-          const auto v = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng);
-          const Heads<S> ks = k.template cast<S>(), vs = v.template cast<S>();
-          // Exact reference on the values the kernel sees (q in float, K and V rounded to S),
-          // and the naive kernel a half-precision library would run: scores, probabilities
-          // and output rounded to S, sums in float.
-          const Heads<double> qd = q.template cast<double>(), kd = ks.template cast<double>(),
-                              vd = vs.template cast<double>();
-          std::vector<double> expected_lse;
-          const std::vector<double> expected = reference(p, qd, kd, vd, m, identity, &expected_lse);
-          const double naive_s_error =
-              max_abs_error(reference(p, qd, kd, vd, m, round_to_s), expected);
+          const Heads<S> ks =
+              random_heads<float>(p.batch, p.kv_heads, p.k_length, p.dim, rng).template cast<S>();
+          const Heads<S> vs = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng)
+                                  .template cast<S>();
+          // The exact result on the values the kernel sees (q in float, K and V rounded to S),
+          // and what a plain 16-bit implementation computes: scores, probabilities and output
+          // rounded to S, sums in float.
+          const auto qe = attn_test::exact(q), ke = attn_test::exact(ks), ve = attn_test::exact(vs);
+          const auto truth = attn_test::reference::attention<long double>(p, qe, ke, ve);
+          const auto to_s = [](float x) { return static_cast<float>(S(x)); };
+          const double plain_16bit_error = attn_test::max_error(
+              attn_test::reference::attention<float>(p, qe, ke, ve, {to_s, to_s, to_s}).out,
+              truth.out);
           for (const Index split : {Index(7), attn::decode_split_keys}) {
             std::vector<float> lse;
-            const double error = max_abs_error(
-                run_decode<S>(p, q, ks, vs, m, split, split == 7 ? 3 : 64, &lse), expected);
-            CAPTURE(split, naive_s_error, error);
-            REQUIRE(error <= 2 * naive_s_error + error_floor<float>());
-            REQUIRE(max_abs_error(lse, expected_lse) <= 1e-4);
+            const double error = attn_test::max_error(
+                run_decode<S>(p, q, ks, vs, split, split == 7 ? 3 : 64, &lse), truth.out);
+            CAPTURE(split, plain_16bit_error, error);
+            REQUIRE(error <= attn_test::error_bound<float>(plain_16bit_error));
+            REQUIRE(attn_test::max_error(lse, truth.lse) <= 1e-4);
           }
         }
       }
@@ -307,27 +177,27 @@ TEMPLATE_TEST_CASE("decode at the head dims models use (whole vectors of 16) and
   using S = TestType;
   std::mt19937 rng(13);
   for (const auto& [dim, value_dim] : {std::pair<Index, Index>{64, 128}, {128, 64}, {72, 40}}) {
-    for (const Index group : {1, 2, 3, 4, 8}) {
+    // Rows per group G * Lq: 1, 2, 3, 6, 8, 16, every remainder of 4 and of 2.
+    for (const Index group : {1, 3, 8}) {
       for (const Index q_length : {1, 2}) {
-        for (const int kind : {0, 2, 9}) {
-          const Problem p{1, 2 * group, 2, q_length, 1031, dim, value_dim, kind};
-          INFO(describe(p));
-          const MaskData m = make_masks(p, rng);
+        for (const int kind : {0, 2, 12}) {
+          Problem p =
+              attn_test::masked_problem(1, 2 * group, 2, q_length, 1031, dim, value_dim, kind, rng);
+          attn_test::round_numbers_to<float>(p);
+          INFO(attn_test::describe(p, kind));
           const auto q = random_heads<float>(p.batch, p.q_heads, p.q_length, p.dim, rng);
           const Heads<S> k =
               random_heads<float>(p.batch, p.kv_heads, p.k_length, p.dim, rng).template cast<S>();
           const Heads<S> v = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng)
                                  .template cast<S>();
-          const Heads<double> qd = q.template cast<double>(), kd = k.template cast<double>(),
-                              vd = v.template cast<double>();
-          const std::vector<double> expected = reference(p, qd, kd, vd, m, identity);
-          // The float kernel's own rounding: naive in float on the same values.
-          const double naive_error = max_abs_error(
-              reference(p, qd, kd, vd, m, [](double x) { return double(static_cast<float>(x)); }),
-              expected);
-          const double error = max_abs_error(run_decode<S>(p, q, k, v, m, 512, 64), expected);
-          CAPTURE(naive_error, error);
-          REQUIRE(error <= 2 * naive_error + error_floor<float>());
+          const auto qe = attn_test::exact(q), ke = attn_test::exact(k), ve = attn_test::exact(v);
+          const auto truth = attn_test::reference::attention<long double>(p, qe, ke, ve);
+          // The float kernel's own rounding: a plain float implementation on the same values.
+          const double plain_error = attn_test::max_error(
+              attn_test::reference::attention<float>(p, qe, ke, ve).out, truth.out);
+          const double error = attn_test::max_error(run_decode<S>(p, q, k, v, 512, 64), truth.out);
+          CAPTURE(plain_error, error);
+          REQUIRE(error <= attn_test::error_bound<float>(plain_error));
         }
       }
     }
@@ -339,18 +209,21 @@ TEST_CASE("decode over 16384 half keys stays accurate where a half accumulator f
   // Small scores: every key gets a weight near 1, so the softmax sum approaches Lk. A half
   // accumulator stops growing at 2048 (adding 1 to 2048 rounds back to 2048 in half), so
   // its outputs come out ~8x too large; ours sums in float.
-  const Problem p{1, 4, 1, 1, 16384, 64, 64, 0};
   std::mt19937 rng(3);
+  Problem p = attn_test::masked_problem(1, 4, 1, 1, 16384, 64, 64, 0, rng);
+  attn_test::round_numbers_to<float>(p);
   auto q = random_heads<float>(1, 4, 1, 64, rng);
   for (float& x : q.data)
     x *= 0.01f;
   const auto k = random_heads<float>(1, 1, p.k_length, 64, rng);
   const auto v = random_heads<float>(1, 1, p.k_length, 64, rng);
   const Heads<Eigen::half> ks = k.cast<Eigen::half>(), vs = v.cast<Eigen::half>();
-  const MaskData m;
-  const std::vector<double> expected =
-      reference(p, q.cast<double>(), ks.cast<double>(), vs.cast<double>(), m, identity);
-  const double error = max_abs_error(run_decode<Eigen::half>(p, q, ks, vs, m, 512, 64), expected);
+  const std::vector<long double> expected =
+      attn_test::reference::attention<long double>(p, attn_test::exact(q), attn_test::exact(ks),
+                                                   attn_test::exact(vs))
+          .out;
+  const double error =
+      attn_test::max_error(run_decode<Eigen::half>(p, q, ks, vs, 512, 64), expected);
 
   // The same online softmax with half running sum and half accumulator.
   std::vector<float> half_out(expected.size());
@@ -382,23 +255,24 @@ TEST_CASE("decode over 16384 half keys stays accurate where a half accumulator f
       half_out[static_cast<std::size_t>(h * 64 + d)] =
           static_cast<float>(acc[static_cast<std::size_t>(d)]) / static_cast<float>(l);
   }
-  const double half_error = max_abs_error(half_out, expected);
+  const double half_error = attn_test::max_error(half_out, expected);
   double magnitude = 0;
-  for (const double x : expected)
-    magnitude = std::max(magnitude, std::abs(x));
+  for (const long double x : expected)
+    magnitude = std::max(magnitude, static_cast<double>(std::abs(x)));
   CAPTURE(error, half_error, magnitude);
   REQUIRE(error <= 1e-6);            // K and V already rounded: only float rounding is left
   REQUIRE(half_error >= magnitude);  // the half accumulator is wrong by more than the output
 }
 
 #if ATTN_HAS_OPENMP
-TEST_CASE("decode results are bitwise identical for 1 and 2 threads", "[decode][isa]") {
+TEST_CASE("decode results are bitwise identical for 1 and 2 threads",
+          "[decode][determinism][isa]") {
   const int saved = omp_get_max_threads();
   std::mt19937 rng(5);
-  for (int kind : {0, 2, 9}) {
-    const Problem p{2, 8, 2, 2, 5000, 64, 64, kind};
-    INFO(describe(p));
-    const MaskData m = make_masks(p, rng);
+  for (int kind : {0, 2, 12}) {
+    Problem p = attn_test::masked_problem(2, 8, 2, 2, 5000, 64, 64, kind, rng);
+    attn_test::round_numbers_to<float>(p);
+    INFO(attn_test::describe(p, kind));
     const auto q = random_heads<float>(p.batch, p.q_heads, p.q_length, p.dim, rng);
     const auto k = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.dim, rng);
     const auto v = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng);
@@ -406,10 +280,10 @@ TEST_CASE("decode results are bitwise identical for 1 and 2 threads", "[decode][
     std::vector<float> results[2], half_results[2], lse[2];
     for (int threads : {1, 2}) {
       omp_set_num_threads(threads);
-      results[threads - 1] = run_decode<float>(p, q, k, v, m, attn::decode_split_keys,
+      results[threads - 1] = run_decode<float>(p, q, k, v, attn::decode_split_keys,
                                                attn::decode_key_block, &lse[threads - 1]);
       half_results[threads - 1] =
-          run_decode<Eigen::half>(p, q, kh, vh, m, attn::decode_split_keys, attn::decode_key_block);
+          run_decode<Eigen::half>(p, q, kh, vh, attn::decode_split_keys, attn::decode_key_block);
     }
     omp_set_num_threads(saved);
     REQUIRE(std::memcmp(results[0].data(), results[1].data(), results[0].size() * 4) == 0);
@@ -422,20 +296,22 @@ TEST_CASE("decode results are bitwise identical for 1 and 2 threads", "[decode][
 
 TEST_CASE("decode: fully masked rows give zeros and -inf, NaN propagates", "[decode][isa]") {
   std::mt19937 rng(9);
-  const Problem p{2, 4, 2, 1, 700, 16, 16, 4};  // key_lengths[1] = 0: batch 1 sees nothing
-  const MaskData m = make_masks(p, rng);
+  // Mask kind 4: key_lengths[1] = 0, so batch 1 sees nothing.
+  Problem p = attn_test::masked_problem(2, 4, 2, 1, 700, 16, 16, 4, rng);
+  attn_test::round_numbers_to<float>(p);
+  REQUIRE(p.key_lengths == std::vector<Index>{700, 0});
   auto q = random_heads<float>(p.batch, p.q_heads, p.q_length, p.dim, rng);
   auto k = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.dim, rng);
   const auto v = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng);
   std::vector<float> lse;
-  std::vector<float> out = run_decode<float>(p, q, k, v, m, 512, 64, &lse);
+  std::vector<float> out = run_decode<float>(p, q, k, v, 512, 64, &lse);
   for (Index n = 4 * 16; n < 8 * 16; ++n)
     REQUIRE(out[static_cast<std::size_t>(n)] == 0.0f);
   for (Index n = 4; n < 8; ++n)
     REQUIRE(lse[static_cast<std::size_t>(n)] == -std::numeric_limits<float>::infinity());
   // A NaN key in the second split of (b 0, kv head 0) reaches its two query heads only.
   k.data[static_cast<std::size_t>(600 * 16 + 3)] = std::numeric_limits<float>::quiet_NaN();
-  out = run_decode<float>(p, q, k, v, m, 512, 64, &lse);
+  out = run_decode<float>(p, q, k, v, 512, 64, &lse);
   for (Index n = 0; n < 4 * 16; ++n)
     REQUIRE(std::isnan(out[static_cast<std::size_t>(n)]) == (n < 2 * 16));
 }

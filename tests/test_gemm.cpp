@@ -278,7 +278,7 @@ TEST_CASE("gemm: an element's bits do not depend on where the tiles fall", "[gem
   }
 }
 
-TEST_CASE("gemm gives the same bits for any thread count", "[gemm][threads]") {
+TEST_CASE("gemm gives the same bits for any thread count", "[gemm][determinism]") {
   struct Shape {
     Index m, n, k;
   };

@@ -59,7 +59,7 @@ void require_moments(const Moments& m, double n, double variance, double fourth)
 TEMPLATE_TEST_CASE("initialisers: bounds, moments and reproducibility", "[init]", float, double) {
   using T = TestType;
   const Index fan_in = 512, fan_out = 512;
-  const double n = double(fan_in * fan_out);
+  const auto n = static_cast<double>(fan_in * fan_out);
 
   SECTION("xavier_uniform: U(-a, a), a = gain sqrt(6 / (in + out))") {
     std::mt19937_64 rng(7);

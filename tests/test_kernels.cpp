@@ -1,7 +1,7 @@
-// Tests for attn/kernels/chunked.hpp and attn/kernels/flash.hpp through
+// Tests for attn/kernels/naive.hpp, chunked.hpp and flash.hpp through
 // scaled_dot_product_attention_into: the PyTorch fixtures with tiny tiles, randomised
-// agreement with a double-precision reference over sizes around the tile width, every mask
-// kind, GQA, thread-count independence and the weights rule.
+// agreement with the long double reference of support/reference.hpp over sizes around the
+// tile width, every mask kind, GQA, thread-count independence and the weights rule.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -15,34 +15,28 @@
 
 #include <attn/attention.hpp>
 
+#include "support/instances.hpp"
+
 #include "support/fixtures.hpp"
 #include "support/heads.hpp"
+#include "support/masked_problem.hpp"
 #include "support/sdpa_case.hpp"
 
 using attn::Index;
 using attn_test::Heads;
 using attn_test::json;
-using attn_test::max_abs_error;
 
 namespace {
 
 constexpr attn::Algorithm tiled_algorithms[] = {attn::Algorithm::chunked, attn::Algorithm::flash};
 
-/// Absolute floor of the error bound: the flash/chunked error may exceed twice the naive
-/// kernel's error by at most this much (outputs are convex combinations of v, |v| <= ~4).
+/// The PyTorch fixtures through chunked and flash with tiny tiles.
 template <class T>
-constexpr double error_floor() {
-  return 32 * static_cast<double>(std::numeric_limits<T>::epsilon());
-}
-
-}  // namespace
-
-TEMPLATE_TEST_CASE("chunked and flash match the PyTorch fixtures with tiny tiles", "[kernels][isa]",
-                   float, double) {
-  using T = TestType;
+void fixtures_with_tiny_tiles() {
   // Accumulation order differs from naive's: allow twice the naive test's tolerance.
   const double rtol = 2 * attn_test::tolerance<T>();
-  for (const json& c : attn_test::fixture("sdpa.json").at("cases")) {
+  const json& cases = ATTN_FIXTURE_CASES("sdpa.json", "cases", attn_test::sdpa_case_count);
+  for (const json& c : cases) {
     const std::string name = c.at("name").get<std::string>();
     attn_test::SdpaCase<T> fx(c);
     attn::AttentionOptions<T>& options = fx.options;
@@ -65,200 +59,97 @@ TEMPLATE_TEST_CASE("chunked and flash match the PyTorch fixtures with tiny tiles
   }
 }
 
-namespace {
-
-/// One randomised problem: sizes, mask kind, and the tensors it needs.
-struct Problem {
-  Index batch, q_heads, kv_heads, q_length, k_length, dim, value_dim;
-  int mask_kind;  // see describe()
-};
-
-std::string describe(const Problem& p) {
-  static const char* const kinds[] = {
-      "none",
-      "causal top-left",
-      "causal bottom-right",
-      "window (3, 2)",
-      "window (-1, 0) + key lengths",
-      "window (0, 4)",
-      "keep-mask (B, H, Lq, Lk)",
-      "bias (1, H, Lq, Lk) with -inf",
-      "causal bottom-right + window left 5 + key lengths + keep-mask (B, 1, 1, Lk) + bias",
-      "causal top-left + window (4, -1) + bias (1, 1, Lq, Lk)",
-      "causal bottom-right + ALiBi + softcap 3",
-  };
-  return "B " + std::to_string(p.batch) + ", Hq " + std::to_string(p.q_heads) + ", Hkv " +
-         std::to_string(p.kv_heads) + ", Lq " + std::to_string(p.q_length) + ", Lk " +
-         std::to_string(p.k_length) + ", D " + std::to_string(p.dim) + ", Dv " +
-         std::to_string(p.value_dim) + ", mask: " + kinds[p.mask_kind];
-}
-constexpr int mask_kinds = 11;
-
-/// Runs `p` with kernel `algorithm` in scalar T on the given inputs (already rounded to T).
+/// Every kernel on one random problem against the long double reference: the output within
+/// twice the error of a plain implementation in T (support/reference.hpp), log-sum-exp within
+/// 64 eps relative, -inf exactly where the reference has it.
 template <class T>
-std::vector<T> run(const Problem& p, const Heads<T>& q, const Heads<T>& k, const Heads<T>& v,
-                   attn::Algorithm algorithm, Index query_tile, Index key_tile,
-                   std::vector<T>* lse_out, const attn::Tensor<bool, 4>& keep_mask,
-                   const attn::Tensor<double, 4>& bias_double) {
-  attn::AttentionOptions<T> options;
-  options.algorithm = algorithm;
-  options.query_tile = query_tile;
-  options.key_tile = key_tile;
-  attn::Tensor<T, 4> bias;
-  if (bias_double.size() > 0) {
-    bias = bias_double.template cast<T>();
-    options.bias = bias;
-  }
-  if (keep_mask.size() > 0)
-    options.keep_mask = keep_mask;
-  std::vector<Index> key_lengths;
-  for (Index b = 0; b < p.batch; ++b)
-    key_lengths.push_back(b % 2 == 0 ? p.k_length : p.k_length / 2);
-  switch (p.mask_kind) {
-    case 1:
-      options.causal = attn::Causal::top_left;
-      break;
-    case 2:
-      options.causal = attn::Causal::bottom_right;
-      break;
-    case 3:
-      options.window = {3, 2};
-      break;
-    case 4:
-      options.window = {-1, 0};
-      options.key_lengths = key_lengths;
-      break;
-    case 5:
-      options.window = {0, 4};
-      break;
-    case 8:
-      options.causal = attn::Causal::bottom_right;
-      options.window = {5, -1};
-      options.key_lengths = key_lengths;
-      break;
-    case 9:
-      options.causal = attn::Causal::top_left;
-      options.window = {4, -1};
-      break;
-    case 10:
-      options.causal = attn::Causal::bottom_right;
-      options.alibi_slopes = attn::alibi_slopes<T>(p.q_heads);
-      options.softcap = T(3);
-      break;
-    default:
-      break;
-  }
-  Heads<T> out(p.batch, p.q_heads, p.q_length, p.value_dim);
-  std::vector<T> lse(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
-  attn::scaled_dot_product_attention_into<T>(q.cview(), k.cview(), v.cview(), out.view(), options,
-                                             nullptr, lse.data());
-  if (lse_out != nullptr)
-    *lse_out = lse;
-  return out.data;
-}
-
-template <class T>
-void check_agreement(const Problem& p, std::mt19937& rng, Index query_tile, Index key_tile) {
-  INFO(describe(p) << ", query_tile " << query_tile << ", key_tile " << key_tile);
-  std::normal_distribution<double> normal(0.0, 1.0);
-  Heads<T> q(p.batch, p.q_heads, p.q_length, p.dim), k(p.batch, p.kv_heads, p.k_length, p.dim),
-      v(p.batch, p.kv_heads, p.k_length, p.value_dim);
-  for (Heads<T>* t : {&q, &k, &v})
-    for (T& x : t->data)
-      x = static_cast<T>(normal(rng));
-
-  attn::Tensor<bool, 4> keep_mask;
-  attn::Tensor<double, 4> bias;
-  std::bernoulli_distribution keep(0.7), hide(0.1);
-  if (p.mask_kind == 6) {
-    keep_mask.resize(p.batch, p.q_heads, p.q_length, p.k_length);
-    for (Index n = 0; n < keep_mask.size(); ++n)
-      keep_mask.data()[n] = keep(rng);
-  } else if (p.mask_kind == 8) {
-    keep_mask.resize(p.batch, 1, 1, p.k_length);
-    for (Index n = 0; n < keep_mask.size(); ++n)
-      keep_mask.data()[n] = keep(rng);
-  }
-  if (p.mask_kind == 7 || p.mask_kind == 8 || p.mask_kind == 9) {
-    if (p.mask_kind == 9) {
-      bias.resize(1, 1, p.q_length, p.k_length);
-    } else {
-      bias.resize(1, p.q_heads, p.q_length, p.k_length);
-    }
-    for (Index n = 0; n < bias.size(); ++n) {
-      bias.data()[n] =
-          p.mask_kind == 7 && hide(rng) ? -std::numeric_limits<double>::infinity() : normal(rng);
-    }
-  }
-
-  // The reference: naive in double on the same (T-rounded) inputs.
-  const Heads<double> qd = q.template cast<double>(), kd = k.template cast<double>(),
-                      vd = v.template cast<double>();
-  std::vector<double> lse_reference;
-  const std::vector<double> reference =
-      run<double>(p, qd, kd, vd, attn::Algorithm::naive, 0, 0, &lse_reference, keep_mask, bias);
-  const double naive_error = max_abs_error(
-      run<T>(p, q, k, v, attn::Algorithm::naive, 0, 0, nullptr, keep_mask, bias), reference);
-  const double bound = 2 * naive_error + error_floor<T>();
-  for (const attn::Algorithm algorithm : tiled_algorithms) {
+void check_against_reference(attn_test::reference::Problem p, int kind, std::mt19937& rng,
+                             Index query_tile, Index key_tile) {
+  attn_test::round_numbers_to<T>(p);
+  INFO(attn_test::describe(p, kind) << ", query_tile " << query_tile << ", key_tile " << key_tile);
+  const Heads<T> q = attn_test::random_heads<T>(p.batch, p.q_heads, p.q_length, p.dim, rng);
+  const Heads<T> k = attn_test::random_heads<T>(p.batch, p.kv_heads, p.k_length, p.dim, rng);
+  const Heads<T> v = attn_test::random_heads<T>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng);
+  const auto qe = attn_test::exact(q), ke = attn_test::exact(k), ve = attn_test::exact(v);
+  const auto truth = attn_test::reference::attention<long double>(p, qe, ke, ve);
+  const double plain_error =
+      attn_test::max_error(attn_test::reference::attention<T>(p, qe, ke, ve).out, truth.out);
+  const double bound = attn_test::error_bound<T>(plain_error);
+  attn_test::AttnOptions<T> o(p);
+  for (const attn::Algorithm algorithm :
+       {attn::Algorithm::naive, attn::Algorithm::chunked, attn::Algorithm::flash}) {
     INFO(attn::algorithm_name(algorithm));
-    std::vector<T> lse;
-    const double error = max_abs_error(
-        run<T>(p, q, k, v, algorithm, query_tile, key_tile, &lse, keep_mask, bias), reference);
-    INFO("error " << error << ", naive error " << naive_error << ", bound " << bound);
+    o.options.algorithm = algorithm;
+    o.options.query_tile = query_tile;
+    o.options.key_tile = key_tile;
+    Heads<T> out(p.batch, p.q_heads, p.q_length, p.value_dim);
+    std::vector<T> lse(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
+    attn::scaled_dot_product_attention_into<T>(q.cview(), k.cview(), v.cview(), out.view(),
+                                               o.options, nullptr, lse.data());
+    const double error = attn_test::max_error(out.data, truth.out);
+    INFO("error " << error << ", plain error " << plain_error << ", bound " << bound);
     REQUIRE(error <= bound);
-    // log-sum-exp: same -inf rows, close elsewhere (relative to max(|lse|, 1)).
-    std::vector<double> lse_tolerance_scaled(lse.size());
     const auto cmp =
-        attn_test::compare(lse.data(), lse_reference.data(), lse.size(),
+        attn_test::compare(lse.data(), truth.lse.data(), lse.size(),
                            64 * static_cast<double>(std::numeric_limits<T>::epsilon()));
     INFO(cmp.detail);
     REQUIRE(cmp.ok);
   }
 }
 
-}  // namespace
-
-TEMPLATE_TEST_CASE("chunked and flash agree with a double-precision reference", "[kernels][isa]",
-                   float, double) {
-  using T = TestType;
+/// Lengths around the tile width, head dims 1 to 128, every head layout and mask kind.
+template <class T>
+void sweep_against_reference() {
   constexpr Index tile = 16;
-  const Index lengths[] = {1, 2, 7, tile - 1, tile, tile + 1, 3 * tile + 5, 300};
+  const Index lengths[] = {1, 2, 7, tile - 1, tile, tile + 1, 3 * tile + 5, 150};
   const Index dims[] = {1, 8, 64, 80, 128};
   std::mt19937 rng(20240601u);
   std::uniform_int_distribution<int> pick_dim(0, 4), pick_shape(0, 3);
+  // (B, Hq, Hkv): plain, B and H > 1, GQA (Hq = 4, Hkv = 2) and MQA (Hkv = 1).
+  const Index shapes[4][3] = {{1, 1, 1}, {2, 3, 3}, {2, 4, 2}, {1, 3, 1}};
   // Every (Lq, Lk) pair, with the mask kinds cycling through the pairs and D, Dv, the head
   // layout sampled: a sample of the full product that still covers each value of each axis.
   int counter = 0;
   for (const Index q_length : lengths) {
     for (const Index k_length : lengths) {
-      const int mask_kind = counter++ % mask_kinds;
-      // Keep the 300 x 300 cases cheap: small head dims and a single head there.
-      const bool big = q_length * k_length > 20000;
+      const int kind = counter++ % attn_test::mask_kinds;
+      // Keep the long cases cheap: small head dims and a single head there.
+      const bool big = q_length * k_length > 5000;
       const Index dim = big ? dims[pick_dim(rng) % 3] : dims[pick_dim(rng)];
       const Index value_dim = big ? dims[pick_dim(rng) % 3] : dims[pick_dim(rng)];
-      // (B, Hq, Hkv): plain, B and H > 1, GQA (Hq = 4, Hkv = 2) and MQA (Hkv = 1).
-      const Index shapes[4][3] = {{1, 1, 1}, {2, 3, 3}, {2, 4, 2}, {1, 3, 1}};
-      const Index* shape = shapes[pick_shape(rng)];
-      const Problem p{shape[0], shape[1], shape[2], q_length, k_length, dim, value_dim, mask_kind};
-      check_agreement<T>(p, rng, tile, tile);
+      const Index* shape = big ? shapes[0] : shapes[pick_shape(rng)];
+      check_against_reference<T>(attn_test::masked_problem(shape[0], shape[1], shape[2], q_length,
+                                                           k_length, dim, value_dim, kind, rng),
+                                 kind, rng, tile, tile);
     }
   }
   // Every mask kind with Lq < Lk and Lq > Lk around odd tile sizes, both causal alignments
-  // included, with B = 2 and GQA.
-  for (int mask_kind = 0; mask_kind < mask_kinds; ++mask_kind) {
-    check_agreement<T>({2, 4, 2, 37, 91, 8, 8, mask_kind}, rng, 5, 7);
-    check_agreement<T>({2, 4, 2, 91, 37, 16, 8, mask_kind}, rng, 7, 5);
-    check_agreement<T>({1, 2, 1, 300, 300, 64, 64, mask_kind}, rng, 0, 0);  // default tiles
-    // Tiles that are not whole vectors or register blocks, Dv past one column block.
-    check_agreement<T>({1, 2, 2, 150, 200, 72, 130, mask_kind}, rng, 50, 37);
+  // included, with B = 3 (a sequence of each key-length pattern) and GQA; the default tiles;
+  // tiles that are not whole vectors or register blocks, Dv past one column block.
+  for (int kind = 0; kind < attn_test::mask_kinds; ++kind) {
+    check_against_reference<T>(attn_test::masked_problem(3, 4, 2, 37, 91, 8, 8, kind, rng), kind,
+                               rng, 5, 7);
+    check_against_reference<T>(attn_test::masked_problem(2, 4, 2, 91, 37, 16, 8, kind, rng), kind,
+                               rng, 7, 5);
+    check_against_reference<T>(attn_test::masked_problem(1, 1, 1, 300, 300, 64, 64, kind, rng),
+                               kind, rng, 0, 0);
+    check_against_reference<T>(attn_test::masked_problem(1, 2, 2, 150, 200, 72, 130, kind, rng),
+                               kind, rng, 50, 37);
   }
 }
 
-TEMPLATE_TEST_CASE("chunked and flash give the same bits with 1 and 2 threads", "[kernels][isa]",
-                   float, double) {
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("chunked and flash match the PyTorch fixtures with tiny tiles",
+                                    "[kernels]", fixtures_with_tiny_tiles)
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("naive, chunked and flash agree with a long double reference",
+                                    "[kernels]", sweep_against_reference)
+
 #if ATTN_HAS_OPENMP
-  using T = TestType;
+namespace {
+
+template <class T>
+void same_bits_for_one_and_two_threads() {
   std::mt19937 rng(7u);
   std::normal_distribution<double> normal(0.0, 1.0);
   Heads<T> q(2, 3, 300, 64), k(2, 3, 260, 64), v(2, 3, 260, 40);
@@ -289,10 +180,13 @@ TEMPLATE_TEST_CASE("chunked and flash give the same bits with 1 and 2 threads", 
       REQUIRE(std::memcmp(lse[0].data(), lse[1].data(), lse[0].size() * sizeof(T)) == 0);
     }
   }
-#else
-  SUCCEED("built without OpenMP: single-threaded only");
-#endif
 }
+
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("chunked and flash give the same bits with 1 and 2 threads",
+                                    "[kernels][determinism]", same_bits_for_one_and_two_threads)
+#endif  // ATTN_HAS_OPENMP
 
 TEST_CASE("chunked and flash refuse to return weights; automatic falls back to naive",
           "[kernels][errors][isa]") {
@@ -319,9 +213,10 @@ TEST_CASE("chunked and flash refuse to return weights; automatic falls back to n
                       "sizes must be >= 0 (0 = default)");
 }
 
-TEMPLATE_TEST_CASE("flash handles empty problems and NaN like naive", "[kernels][isa]", float,
-                   double) {
-  using T = TestType;
+namespace {
+
+template <class T>
+void empty_problems_and_nan() {
   attn::AttentionOptions<T> options;
   options.algorithm = attn::Algorithm::flash;
   options.query_tile = 3;
@@ -360,11 +255,16 @@ TEMPLATE_TEST_CASE("flash handles empty problems and NaN like naive", "[kernels]
   }
 }
 
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("flash handles empty problems and NaN like naive", "[kernels]",
+                                    empty_problems_and_nan)
+
+#if ATTN_X86_DISPATCH
 TEST_CASE(
     "the vector kernels' exp is accurate down to the smallest normal float, exactly 0 below "
     "it and at -inf, keeps NaN, and gives the same bits on every instruction set",
-    "[kernels][isa]") {
-#if ATTN_X86_DISPATCH
+    "[kernels]") {
   using Exp = void (*)(const float*, const float*, float*, Index);
   std::vector<std::pair<attn::Isa, Exp>> kernels;
   if (attn::isa_supported(attn::Isa::avx2))
@@ -425,7 +325,5 @@ TEST_CASE(
     else
       CHECK(std::memcmp(first_result.data(), got.data(), got.size() * sizeof(float)) == 0);
   }
-#else
-  WARN("this build contains only the generic kernels: no vector exp to test");
-#endif
 }
+#endif  // ATTN_X86_DISPATCH

@@ -16,6 +16,8 @@
 #include <attn/attention.hpp>
 #include <attn/linear_attention.hpp>
 
+#include "support/instances.hpp"
+
 #include "support/fixtures.hpp"
 
 using attn::Index;
@@ -113,7 +115,7 @@ TEMPLATE_TEST_CASE("linear attention matches the NumPy quadratic reference", "[l
                    double) {
   using T = TestType;
   const double rtol = attn_test::tolerance<T>();
-  for (const json& c : attn_test::fixture("linear.json").at("cases")) {
+  for (const json& c : ATTN_FIXTURE_CASES("linear.json", "cases", 16)) {
     SECTION(c.at("name").get<std::string>()) {
       LinearCase<T> fx(c);
       // Chunks of 1, 2, 3 and the default: every boundary position of these short cases.
@@ -585,9 +587,9 @@ TEST_CASE("linear attention rejects what SDPA rejects, and masks it cannot apply
                       "LinearAttentionState::query: out has 4 elements but Dv = 3");
 }
 
-TEMPLATE_TEST_CASE("linear attention gives the same bits with 1 and 2 threads", "[linear][threads]",
-                   float, double) {
 #if ATTN_HAS_OPENMP
+TEMPLATE_TEST_CASE("linear attention gives the same bits with 1 and 2 threads",
+                   "[linear][determinism]", float, double) {
   using T = TestType;
   attn::Tensor<T, 4> q(2, 4, 300, 32), k(2, 2, 300, 32), v(2, 2, 300, 24);
   std::mt19937 rng(9u);
@@ -607,7 +609,5 @@ TEMPLATE_TEST_CASE("linear attention gives the same bits with 1 and 2 threads", 
     omp_set_num_threads(saved);
     REQUIRE(std::equal(one.data(), one.data() + one.size(), two.data()));
   }
-#else
-  SUCCEED("built without OpenMP: single-threaded only");
-#endif
 }
+#endif  // ATTN_HAS_OPENMP

@@ -26,7 +26,7 @@ Causal causal_from(const std::string& name) {
 }  // namespace
 
 TEST_CASE("mask visibility equals the fixtures' nonzero weights", "[mask]") {
-  for (const auto& c : attn_test::fixture("sdpa.json").at("cases")) {
+  for (const auto& c : ATTN_FIXTURE_CASES("sdpa.json", "cases", attn_test::sdpa_case_count)) {
     const std::string name = c.at("name").get<std::string>();
     // With no bias and no huge logit gaps, a weight is nonzero exactly when its key is visible.
     if (!c.at("bias").is_null() || name.rfind("large_logits", 0) == 0)

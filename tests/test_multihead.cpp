@@ -14,6 +14,8 @@
 #include <attn/multihead.hpp>
 #include <attn/projection.hpp>
 
+#include "support/instances.hpp"
+
 #include "support/fixtures.hpp"
 
 using attn::Index;
@@ -138,7 +140,7 @@ TEMPLATE_TEST_CASE("MultiHeadAttention matches torch.nn.MultiheadAttention", "[m
                    float, double) {
   using T = TestType;
   const double rtol = mha_tolerance<T>();
-  for (const json& c : attn_test::fixture("mha.json").at("cases")) {
+  for (const json& c : ATTN_FIXTURE_CASES("mha.json", "cases", 21)) {
     const MhaCase<T> tc(c);
     SECTION(tc.name) {
       const auto mha = attn::MultiHeadAttention<T>::from_state_dict(tc.config, tc.state);

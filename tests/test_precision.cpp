@@ -1,7 +1,7 @@
 // 16-bit storage (Eigen::half, Eigen::bfloat16) in every attention algorithm: errors against
-// a float64 reference on the same 16-bit values, bounded by twice the error of a plain
-// 16-bit implementation that accumulates in float; widening tile by tile gives the bits of
-// widening first; a long-context case where an fp16 accumulator visibly fails.
+// the long double reference (support/reference.hpp) on the same 16-bit values, bounded by
+// twice the error of a plain 16-bit implementation that accumulates in float; widening tile by tile
+// gives the bits of widening first; a long-context case where an fp16 accumulator visibly fails.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -18,87 +18,78 @@
 #include <attn/multihead.hpp>
 #include <attn/precision.hpp>
 #include <attn/projection.hpp>
-
 #include <attn/score_modifiers.hpp>
+
+#include "support/instances.hpp"
+
 #include "support/heads.hpp"
+#include "support/masked_problem.hpp"
 
 namespace {
 
 using attn::Index;
 using attn_test::Heads;
-using attn_test::max_abs_error;
+using attn_test::max_error;
 using attn_test::random_heads;
+using attn_test::reference::Problem;
 
-/// The masks the tests run under, in float or double.
-template <class T>
-attn::AttentionOptions<T> masked_options(int kind, Index batch, Index q_heads, Index k_length) {
-  attn::AttentionOptions<T> options;
+/// The mask sets of these tests: none; causal bottom-right; window (7, 3) with 5 padding
+/// keys; causal top-left with ALiBi and softcap 5.
+Problem masked(int kind, Index batch, Index q_heads, Index kv_heads, Index q_length, Index k_length,
+               Index dim, Index value_dim) {
+  Problem p;
+  p.batch = batch;
+  p.q_heads = q_heads;
+  p.kv_heads = kv_heads;
+  p.q_length = q_length;
+  p.k_length = k_length;
+  p.dim = dim;
+  p.value_dim = value_dim;
   switch (kind) {
     case 1:
-      options.causal = attn::Causal::bottom_right;
+      p.causal = attn_test::reference::Causal::bottom_right;
       break;
     case 2:
-      options.window = {7, 3};
-      options.key_lengths.assign(static_cast<std::size_t>(batch), k_length - 5);
+      p.window_left = 7;
+      p.window_right = 3;
+      p.key_lengths.assign(static_cast<std::size_t>(batch), k_length - 5);
       break;
     case 3:
-      options.causal = attn::Causal::top_left;
-      options.alibi_slopes = attn::alibi_slopes<T>(q_heads);
-      options.softcap = T(5);
+      p.causal = attn_test::reference::Causal::top_left;
+      for (const float slope : attn::alibi_slopes<float>(q_heads))
+        p.alibi_slopes.push_back(slope);
+      p.softcap = 5;
       break;
     default:
       break;
   }
-  return options;
+  attn_test::round_numbers_to<float>(p);
+  return p;
+}
+
+template <class SQ, class SKV>
+Problem masked(int kind, const Heads<SQ>& q, const Heads<SKV>& k, const Heads<SKV>& v) {
+  return masked(kind, q.b, q.h, k.h, q.l, k.l, q.d, v.d);
 }
 
 /// What a plain 16-bit implementation computes: scores and softmax in float from the S
 /// values, the probabilities stored as S, P V accumulated in float, the output stored as S.
 template <class S>
-std::vector<double> plain_16bit_attention(const Heads<S>& q, const Heads<S>& k, const Heads<S>& v,
-                                          const attn::AttentionOptions<float>& options) {
-  const Heads<float> qf = q.template cast<float>(), kf = k.template cast<float>(),
-                     vf = v.template cast<float>();
-  attn::Tensor<float, 4> weights;
-  attn::AttentionOptions<float> naive = options;
-  naive.algorithm = attn::Algorithm::naive;
-  Heads<float> unused(q.b, q.h, q.l, v.d);
-  weights.resize(q.b, q.h, q.l, k.l);
-  attn::scaled_dot_product_attention_into<float>(qf.cview(), kf.cview(), vf.cview(), unused.view(),
-                                                 naive, weights.data());
-  const Index group = q.h / k.h;
-  std::vector<double> out(static_cast<std::size_t>(q.b * q.h * q.l * v.d));
-  for (Index b = 0; b < q.b; ++b) {
-    for (Index h = 0; h < q.h; ++h) {
-      const auto vh = vf.cview().head(b, h / group);
-      for (Index i = 0; i < q.l; ++i) {
-        for (Index e = 0; e < v.d; ++e) {
-          float sum = 0.0f;
-          for (Index j = 0; j < k.l; ++j) {
-            const float p = static_cast<float>(static_cast<S>(weights(b, h, i, j)));
-            sum += p * vh(j, e);
-          }
-          const auto at = static_cast<std::size_t>(((b * q.h + h) * q.l + i) * v.d + e);
-          out[at] = static_cast<float>(static_cast<S>(sum));
-        }
-      }
-    }
-  }
-  return out;
+std::vector<float> plain_16bit_attention(const Problem& p, const Heads<S>& q, const Heads<S>& k,
+                                         const Heads<S>& v) {
+  const auto to_s = [](float x) { return static_cast<float>(S(x)); };
+  return attn_test::reference::attention<float>(p, attn_test::exact(q), attn_test::exact(k),
+                                                attn_test::exact(v), {nullptr, to_s, to_s})
+      .out;
 }
 
-/// The float64 reference on the same (already 16-bit) values.
+/// The exact result on the same (already 16-bit) values.
 template <class SQ, class SKV>
-std::vector<double> reference_attention(const Heads<SQ>& q, const Heads<SKV>& k,
-                                        const Heads<SKV>& v, int mask_kind) {
-  const Heads<double> qd = q.template cast<double>(), kd = k.template cast<double>(),
-                      vd = v.template cast<double>();
-  attn::AttentionOptions<double> options = masked_options<double>(mask_kind, q.b, q.h, k.l);
-  options.algorithm = attn::Algorithm::naive;
-  Heads<double> out(q.b, q.h, q.l, v.d);
-  attn::scaled_dot_product_attention_into<double>(qd.cview(), kd.cview(), vd.cview(), out.view(),
-                                                  options);
-  return out.data;
+std::vector<long double> exact_attention(const Problem& p, const Heads<SQ>& q, const Heads<SKV>& k,
+                                         const Heads<SKV>& v) {
+  return attn_test::reference::attention<long double>(p, attn_test::exact(q), attn_test::exact(k),
+                                                      attn_test::exact(v))
+      .out;
 }
 
 constexpr attn::Algorithm all_algorithms[] = {attn::Algorithm::naive, attn::Algorithm::chunked,
@@ -114,10 +105,11 @@ void check_16bit_storage(const char* type_name) {
   const Heads<S> k = random_heads<S>(batch, kv_heads, k_length, dim, rng, 1.5);
   const Heads<S> v = random_heads<S>(batch, kv_heads, k_length, value_dim, rng);
   for (int mask_kind = 0; mask_kind < 4; ++mask_kind) {
-    const std::vector<double> reference = reference_attention(q, k, v, mask_kind);
-    attn::AttentionOptions<float> options =
-        masked_options<float>(mask_kind, batch, q_heads, k_length);
-    const double plain_error = max_abs_error(plain_16bit_attention(q, k, v, options), reference);
+    const Problem p = masked(mask_kind, q, k, v);
+    const std::vector<long double> reference = exact_attention(p, q, k, v);
+    attn_test::AttnOptions<float> o(p);
+    attn::AttentionOptions<float>& options = o.options;
+    const double plain_error = max_error(plain_16bit_attention(p, q, k, v), reference);
     // The same problem in float: the part of the error that is not 16-bit rounding.
     for (const attn::Algorithm algorithm : all_algorithms) {
       INFO(type_name << ", mask kind " << mask_kind << ", " << algorithm_name(algorithm)
@@ -128,7 +120,7 @@ void check_16bit_storage(const char* type_name) {
       Heads<S> out(batch, q_heads, q_length, value_dim);
       attn::scaled_dot_product_attention_into<S>(q.cview(), k.cview(), v.cview(), out.view(),
                                                  options);
-      const double error = max_abs_error(out.data, reference);
+      const double error = max_error(out.data, reference);
       INFO("error " << error);
       CHECK(error <= 2.0 * plain_error + 1e-6);
       CHECK(plain_error > 0.0);  // the bound is not vacuous: 16-bit rounding is visible
@@ -137,7 +129,7 @@ void check_16bit_storage(const char* type_name) {
       Heads<float> out_float(batch, q_heads, q_length, value_dim);
       attn::scaled_dot_product_attention_into(q.cview(), k.cview(), v.cview(), out_float.view(),
                                               options);
-      const double error_float = max_abs_error(out_float.data, reference);
+      const double error_float = max_error(out_float.data, reference);
       INFO("float output error " << error_float);
       CHECK(error_float <= 1e-5);
 
@@ -201,16 +193,18 @@ TEST_CASE("float queries against half keys and values (decoding from a 16-bit ca
     const Heads<float> q = random_heads<float>(batch, q_heads, q_length, dim, rng);
     const Heads<Eigen::half> k = random_heads<Eigen::half>(batch, kv_heads, k_length, dim, rng);
     const Heads<Eigen::half> v = random_heads<Eigen::half>(batch, kv_heads, k_length, dim, rng);
-    const std::vector<double> reference = reference_attention(q, k, v, 1);
+    const Problem p = masked(1, q, k, v);
+    const std::vector<long double> reference = exact_attention(p, q, k, v);
     for (const attn::Algorithm algorithm : all_algorithms) {
       INFO("Lq " << q_length << ", " << algorithm_name(algorithm));
-      attn::AttentionOptions<float> options = masked_options<float>(1, batch, q_heads, k_length);
+      attn_test::AttnOptions<float> o(p);
+      attn::AttentionOptions<float>& options = o.options;
       options.algorithm = algorithm;
       Heads<float> out(batch, q_heads, q_length, dim);
       std::vector<float> lse(static_cast<std::size_t>(batch * q_heads * q_length));
       attn::scaled_dot_product_attention_into(q.cview(), k.cview(), v.cview(), out.view(), options,
                                               nullptr, lse.data());
-      CHECK(max_abs_error(out.data, reference) <= 1e-5);
+      CHECK(max_error(out.data, reference) <= 1e-5);
       for (const float value : lse)
         CHECK(std::isfinite(value));
     }
@@ -255,7 +249,9 @@ TEST_CASE("long context: float accumulation stays accurate where fp16 accumulati
   Heads<Eigen::half> v = random_heads<Eigen::half>(1, 1, k_length, dim, rng);
   for (Eigen::half& value : v.data)  // a common offset, as real values have
     value = Eigen::half(static_cast<float>(value) + 2.0f);
-  const std::vector<double> reference = reference_attention(q, k, v, 0);
+  Problem p = masked(0, q, k, v);
+  p.scale = 1.0L / 8;
+  const std::vector<long double> reference = exact_attention(p, q, k, v);
 
   // fp16 accumulation: running max, sum and output all kept in half.
   std::vector<double> fp16(reference.size());
@@ -275,26 +271,26 @@ TEST_CASE("long context: float accumulation stays accurate where fp16 accumulati
     Eigen::half sum(0.0f);
     std::vector<Eigen::half> acc(static_cast<std::size_t>(dim), Eigen::half(0.0f));
     for (Index j = 0; j < k_length; ++j) {
-      const Eigen::half p(std::exp(scores[static_cast<std::size_t>(j)] - max));
-      sum = sum + p;
+      const Eigen::half w(std::exp(scores[static_cast<std::size_t>(j)] - max));
+      sum = sum + w;
       for (Index e = 0; e < dim; ++e)
-        acc[static_cast<std::size_t>(e)] += p * v.data[static_cast<std::size_t>(j * dim + e)];
+        acc[static_cast<std::size_t>(e)] += w * v.data[static_cast<std::size_t>(j * dim + e)];
     }
     for (Index e = 0; e < dim; ++e) {
       fp16[static_cast<std::size_t>(i * dim + e)] =
           static_cast<float>(acc[static_cast<std::size_t>(e)]) / static_cast<float>(sum);
     }
   }
-  const double fp16_error = max_abs_error(fp16, reference);
+  const double fp16_error = max_error(fp16, reference);
 
   attn::AttentionOptions<float> options;
   options.scale = scale;
   options.algorithm = attn::Algorithm::flash;
-  const double plain_error = max_abs_error(plain_16bit_attention(q, k, v, options), reference);
+  const double plain_error = max_error(plain_16bit_attention(p, q, k, v), reference);
   Heads<Eigen::half> out(1, 1, 4, dim);
   attn::scaled_dot_product_attention_into<Eigen::half>(q.cview(), k.cview(), v.cview(), out.view(),
                                                        options);
-  const double error = max_abs_error(out.data, reference);
+  const double error = max_error(out.data, reference);
   INFO("fp16 accumulator error " << fp16_error << ", ours " << error << ", plain 16-bit "
                                  << plain_error);
   CHECK(error <= 2.0 * plain_error + 1e-6);

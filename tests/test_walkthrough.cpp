@@ -22,6 +22,8 @@
 
 #include <attn/attn.hpp>
 
+#include "support/instances.hpp"
+
 #include "../examples/numpy_random.hpp"
 
 namespace {

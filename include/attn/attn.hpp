@@ -1,4 +1,6 @@
-// attn/attn.hpp: the whole public API.
+// attn/attn.hpp: the whole public API but the heatmaps. attn/viz.hpp is included on its
+// own: it needs floating-point std::to_chars (GCC 11, clang 14 with libstdc++ 11), the rest
+// of attn only C++17.
 #pragma once
 
 #include "attn/attention.hpp"
@@ -17,4 +19,3 @@
 #include "attn/score_modifiers.hpp"
 #include "attn/softmax.hpp"
 #include "attn/tensor.hpp"
-#include "attn/viz.hpp"

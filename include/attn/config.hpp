@@ -13,10 +13,16 @@
 #include <stdexcept>
 #include <string>
 
+// The one source of the version: CMakeLists.txt reads these three lines.
 #define ATTN_VERSION_MAJOR 0
-#define ATTN_VERSION_MINOR 1
+#define ATTN_VERSION_MINOR 2
 #define ATTN_VERSION_PATCH 0
-#define ATTN_VERSION_STRING "0.1.0"
+#define ATTN_DETAIL_STRINGIFY_(x) #x
+#define ATTN_DETAIL_STRINGIFY(x) ATTN_DETAIL_STRINGIFY_(x)
+/// "0.2.0"
+#define ATTN_VERSION_STRING                 \
+  ATTN_DETAIL_STRINGIFY(ATTN_VERSION_MAJOR) \
+  "." ATTN_DETAIL_STRINGIFY(ATTN_VERSION_MINOR) "." ATTN_DETAIL_STRINGIFY(ATTN_VERSION_PATCH)
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -36,17 +42,22 @@ using Index = std::ptrdiff_t;
 
 namespace detail {
 
-/// "[2, 8, 128, 64]"
-inline std::string shape_string(std::initializer_list<Index> dims) {
+/// "[2, 8, 128, 64]": a shape, or any list of sizes (lengths per sequence, ...).
+template <class Sizes>
+std::string list_string(const Sizes& sizes) {
   std::ostringstream s;
   s << '[';
   const char* separator = "";
-  for (const Index d : dims) {
+  for (const Index d : sizes) {
     s << separator << d;
     separator = ", ";
   }
   s << ']';
   return s.str();
+}
+
+inline std::string shape_string(std::initializer_list<Index> dims) {
+  return list_string(dims);
 }
 
 /// Throws std::invalid_argument("<function>: <message>"). Kept out of line of the

@@ -87,15 +87,15 @@ inline CpuFeatures query_cpu() {
   __get_cpuid(1, &eax, &ebx, &ecx, &edx);
   const unsigned base_family = (eax >> 8) & 0xfu;
   cpu.family = base_family == 0xfu ? base_family + ((eax >> 20) & 0xffu) : base_family;
-  const bool fma = (ecx >> 12) & 1u, osxsave = (ecx >> 27) & 1u, avx = (ecx >> 28) & 1u;
-  const bool f16c = (ecx >> 29) & 1u;
+  const auto bit = [](unsigned word, unsigned n) { return ((word >> n) & 1u) != 0u; };
+  const bool fma = bit(ecx, 12), osxsave = bit(ecx, 27), avx = bit(ecx, 28), f16c = bit(ecx, 29);
   if (!osxsave || !avx || max_leaf < 7)
     return cpu;
   const std::uint64_t xcr0 = read_xcr0();
   const bool ymm_saved = (xcr0 & 0x6u) == 0x6u;    // SSE and AVX state
   const bool zmm_saved = (xcr0 & 0xe6u) == 0xe6u;  // and opmask, ZMM_Hi256, Hi16_ZMM
   __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx);
-  const bool avx2 = (ebx >> 5) & 1u, avx512f = (ebx >> 16) & 1u;
+  const bool avx2 = bit(ebx, 5), avx512f = bit(ebx, 16);
   cpu.avx2 = ymm_saved && avx2 && fma && f16c;
   cpu.avx512 = cpu.avx2 && zmm_saved && avx512f;
 #endif

@@ -278,12 +278,7 @@ class KVCache {
     return ((b * kv_heads_ + h) * capacity_ + row) * dim;
   }
 
-  std::string lengths_string() const {
-    std::string s = "[";
-    for (std::size_t b = 0; b < lengths_.size(); ++b)
-      s += (b ? ", " : "") + std::to_string(lengths_[b]);
-    return s + "]";
-  }
+  std::string lengths_string() const { return detail::list_string(lengths_); }
 
   /// Rows [0, n) of head (b, h) of `x` into `dst` (n contiguous rows of `dim`), as S.
   template <class U>

@@ -87,13 +87,7 @@ class MaskArg {
   bool empty() const { return data_ == nullptr; }
   const T* data() const { return data_; }
   const std::vector<Index>& shape() const { return shape_; }
-  std::string shape_string() const {
-    std::string s = "[";
-    for (std::size_t i = 0; i < shape_.size(); ++i) {
-      s += (i ? ", " : "") + std::to_string(shape_[i]);
-    }
-    return s + "]";
-  }
+  std::string shape_string() const { return detail::list_string(shape_); }
 
  private:
   const T* data_ = nullptr;
@@ -197,7 +191,7 @@ class MultiHeadAttention {
     const Index e = config_.embed_dim, ekv = kv_width();
     std::vector<std::string> expected;
     const auto get = [&](const std::string& name,
-                         std::vector<Index> shape) -> const StateTensor<T>& {
+                         const std::vector<Index>& shape) -> const StateTensor<T>& {
       expected.push_back(name);
       const auto it = state.find(name);
       if (it == state.end())
@@ -513,10 +507,7 @@ class MultiHeadAttention {
 
  private:
   static std::string shape_of(const std::vector<Index>& shape) {
-    std::string s = "[";
-    for (std::size_t i = 0; i < shape.size(); ++i)
-      s += (i ? ", " : "") + std::to_string(shape[i]);
-    return s + "]";
+    return detail::list_string(shape);
   }
   static std::string shape3(const Tensor<T, 3>& t) {
     return detail::shape_string({t.dimension(0), t.dimension(1), t.dimension(2)});

@@ -83,7 +83,7 @@ inline Index decode_max_queries(Isa isa) {
 }
 
 /// Problems with at most this many scores per head go to naive under Algorithm::automatic.
-inline constexpr Index tiny_problem_scores = 64 * 64;
+inline constexpr Index tiny_problem_scores = Index{64} * 64;
 
 /// Flash tiles (query rows, keys) by instruction set, measured with bench_attention at
 /// D = 64 and 128 (docs/performance.md).

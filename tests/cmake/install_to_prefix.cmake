@@ -25,14 +25,32 @@ if(NOT result EQUAL 0)
   message(FATAL_ERROR "install_to_prefix.cmake: cmake --install failed (${result})")
 endif()
 
+# What a header-only package installs: the headers, and its CMake and pkg-config files under
+# the architecture-independent data dir; nothing under lib/.
 foreach(expected
-    "include/attn/attn.hpp")
+    "include/attn/attn.hpp"
+    "include/attn/viz.hpp"
+    "share/cmake/attn/attnConfig.cmake"
+    "share/cmake/attn/attnConfigVersion.cmake"
+    "share/cmake/attn/attnTargets.cmake"
+    "share/pkgconfig/attn.pc")
   if(NOT EXISTS "${ATTN_PREFIX}/${expected}")
     message(FATAL_ERROR "install_to_prefix.cmake: ${ATTN_PREFIX}/${expected} was not installed")
   endif()
 endforeach()
-file(GLOB_RECURSE config_files "${ATTN_PREFIX}/*/attnConfig.cmake")
-if(NOT config_files)
-  message(FATAL_ERROR "install_to_prefix.cmake: no attnConfig.cmake under ${ATTN_PREFIX}")
+file(GLOB_RECURSE lib_files "${ATTN_PREFIX}/lib*/*")
+if(lib_files)
+  message(FATAL_ERROR "install_to_prefix.cmake: a header-only package installed ${lib_files}")
 endif()
+# The installed package carries no decision of the build host: OpenMP and a BLAS are the
+# consumer's choices (docs/usage.md).
+file(GLOB package_files "${ATTN_PREFIX}/share/cmake/attn/*.cmake" "${ATTN_PREFIX}/share/pkgconfig/attn.pc")
+foreach(file IN LISTS package_files)
+  file(STRINGS "${file}" lines)
+  foreach(line IN LISTS lines)
+    if(NOT line MATCHES "^[ \t]*#" AND line MATCHES "OpenMP|openmp|BLAS")
+      message(FATAL_ERROR "install_to_prefix.cmake: ${file} decides OpenMP or BLAS: ${line}")
+    endif()
+  endforeach()
+endforeach()
 message(STATUS "attn installed into ${ATTN_PREFIX}")

@@ -1,5 +1,5 @@
 // tests/mixed_flags: one program whose translation units are built with different flags
-// (none, -mavx2 -mfma -mf16c, -march=native; tests/CMakeLists.txt), each computing the
+// (none, -mavx2 -mfma -mf16c, -march=native; tests/mixed_flags/CMakeLists.txt), each computing the
 // same attention calls. attn's kernels are chosen at run time and compiled with target
 // attributes, so every unit must reach the same kernels, make the same plans and get the
 // same bits; the old design chose kernels with #if __AVX512F__ inside inline functions,

@@ -2,6 +2,7 @@
 // results against them with a tolerance stated per scalar type.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -9,6 +10,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -21,45 +23,41 @@ using attn::Index;
 using json = nlohmann::json;
 
 /// Parsed fixture file, cached: tests/reference/<name>.
-inline const json& fixture(const std::string& name) {
-  static std::map<std::string, json> cache;
-  auto it = cache.find(name);
-  if (it == cache.end()) {
-    std::ifstream in(std::string(ATTN_FIXTURE_DIR) + "/" + name);
-    if (!in)
-      throw std::runtime_error("cannot open fixture " + name);
-    it = cache.emplace(name, json::parse(in)).first;
-  }
-  return it->second;
-}
+const json& fixture(const std::string& name);
 
 /// A fixture number: a JSON number or one of the strings "inf", "-inf", "nan".
-inline double number(const json& x) {
-  if (x.is_string()) {
-    const std::string s = x.get<std::string>();
-    if (s == "inf")
-      return std::numeric_limits<double>::infinity();
-    if (s == "-inf")
-      return -std::numeric_limits<double>::infinity();
-    if (s == "nan")
-      return std::numeric_limits<double>::quiet_NaN();
-    throw std::runtime_error("bad fixture number " + s);
-  }
-  return x.get<double>();
-}
+double number(const json& x);
 
-inline std::vector<Index> shape_of(const json& t) {
-  return t.at("shape").get<std::vector<Index>>();
-}
+/// A fixture tensor's {"shape"}.
+std::vector<Index> shape_of(const json& t);
+
+/// A fixture tensor's {"data"} as a flat row-major vector of double.
+std::vector<double> values_of(const json& t);
+
+/// The number of cases in tests/reference/sdpa.json (tests/reference/generate.py).
+inline constexpr std::size_t sdpa_case_count = 50;
+
+/// fixture(name).at(key), REQUIRE'd to hold `count` entries: a fixture file that lost its
+/// cases must fail the tests that loop over them, not pass them.
+#define ATTN_FIXTURE_CASES(name, key, count)                               \
+  ([&]() -> const attn_test::json& {                                       \
+    const attn_test::json& attn_cases_ = attn_test::fixture(name).at(key); \
+    REQUIRE(attn_cases_.size() == static_cast<std::size_t>(count));        \
+    return attn_cases_;                                                    \
+  }())
 
 /// A fixture tensor {"shape", "data"} as a flat row-major vector of T.
 template <class T>
 std::vector<T> values(const json& t) {
-  std::vector<T> out;
-  out.reserve(t.at("data").size());
-  for (const json& x : t.at("data"))
-    out.push_back(static_cast<T>(number(x)));
-  return out;
+  const std::vector<double> data = values_of(t);
+  if constexpr (std::is_same_v<T, double>) {
+    return data;
+  } else {
+    std::vector<T> out(data.size());
+    std::transform(data.begin(), data.end(), out.begin(),
+                   [](double x) { return static_cast<T>(x); });
+    return out;
+  }
 }
 
 template <class T, int Rank>

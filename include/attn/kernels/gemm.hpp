@@ -162,7 +162,7 @@ void gemm_packed(const GemmBlocking& blocking, Index m, Index n, Index k, const 
       const Index column_panels = (nb + nr - 1) / nr;
       // this thread's rows [i0, i1) and columns [j0, j1) of the column block
       Index i0 = 0, i1 = m, j0 = 0, j1 = nb;
-      if (row_panels >= 4 * team || row_panels >= column_panels)
+      if (row_panels >= Index{4} * team || row_panels >= column_panels)
         gemm_share(row_panels, mr, m, me, team, i0, i1);
       else
         gemm_share(column_panels, nr, nb, me, team, j0, j1);

@@ -35,14 +35,14 @@ namespace attn::detail::generic {
 ATTN_BEGIN_TARGET_AVX2
 namespace attn::detail::avx2 {
 inline constexpr bool widens_in_registers = true;
-#include "attn/kernels/online_softmax.inl"
+#include "attn/kernels/online_softmax.inl"  // NOLINT(readability-duplicate-include): per ISA
 }  // namespace attn::detail::avx2
 ATTN_END_TARGET
 
 ATTN_BEGIN_TARGET_AVX512
 namespace attn::detail::avx512 {
 inline constexpr bool widens_in_registers = true;
-#include "attn/kernels/online_softmax.inl"
+#include "attn/kernels/online_softmax.inl"  // NOLINT(readability-duplicate-include): per ISA
 }  // namespace attn::detail::avx512
 ATTN_END_TARGET
 #endif

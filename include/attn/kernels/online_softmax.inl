@@ -296,6 +296,7 @@ struct Kernels {
                         out.head(b, h).row(i).data(), lse);
         continue;
       }
+      // NOLINTNEXTLINE(readability-suspicious-call-argument): the splits are the parts
       finish_query(splits, partials + r, partials + rows + r, partial_size,
                    partials + 2 * rows + r * value_dim, partial_size, 1, value_dim,
                    out.head(b, h).row(i).data(), lse);

@@ -47,7 +47,7 @@ class Scratch {
   static constexpr std::size_t alignment = 64;
 
   void resize(Index rows, Index cols = 1) {
-    const std::size_t count = static_cast<std::size_t>(rows * cols);
+    const auto count = static_cast<std::size_t>(rows * cols);
     if (count > capacity_) {
       data_.reset(static_cast<T*>(::operator new (count * sizeof(T), std::align_val_t{alignment})));
       capacity_ = count;

@@ -1,8 +1,9 @@
-// Smallest useful program against attn, shared by the find_package() and
-// add_subdirectory() consumer projects. Exits non-zero unless the output of
-// scaled_dot_product_attention is finite and every element lies between the
-// smallest and largest value of its column of v, up to rounding (attention
-// outputs are convex combinations of v's rows).
+// Smallest useful program against attn, shared by the consumer projects (find_package,
+// add_subdirectory, pkg-config). Exits non-zero unless the output of
+// scaled_dot_product_attention is finite and every element lies between the smallest and
+// largest value of its column of v, up to rounding (attention outputs are convex
+// combinations of v's rows), and, when the project says what to expect
+// (ATTN_CONSUMER_EXPECT_OPENMP), unless attn sees OpenMP exactly when the consumer enabled it.
 #include <attn/attn.hpp>
 
 #include <algorithm>
@@ -11,6 +12,13 @@
 #include <limits>
 
 int main() {
+#ifdef ATTN_CONSUMER_EXPECT_OPENMP
+  if (ATTN_HAS_OPENMP != ATTN_CONSUMER_EXPECT_OPENMP) {
+    std::cerr << "attn_consumer: ATTN_HAS_OPENMP is " << ATTN_HAS_OPENMP << ", expected "
+              << ATTN_CONSUMER_EXPECT_OPENMP << "\n";
+    return 1;
+  }
+#endif
   attn::Matrix<float> q(2, 3);  // [Lq, D]  = [2, 3]
   attn::Matrix<float> k(2, 3);  // [Lk, D]  = [2, 3]
   attn::Matrix<float> v(2, 2);  // [Lk, Dv] = [2, 2]

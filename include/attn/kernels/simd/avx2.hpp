@@ -157,7 +157,9 @@ inline vec exp_shifted(vec x, vec shift) {
 
 /// Requests the cache line at `address`: a hint, which never faults.
 inline void prefetch(std::uintptr_t address) {
-  _mm_prefetch(reinterpret_cast<const char*>(address), _MM_HINT_T0);
+  // An integer, because the address may lie past the data, where a pointer may not point.
+  _mm_prefetch(reinterpret_cast<const char*>(address),  // NOLINT(performance-no-int-to-ptr)
+               _MM_HINT_T0);
 }
 
 #include "attn/kernels/simd/gemm_micro.inl"

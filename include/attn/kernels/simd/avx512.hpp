@@ -133,6 +133,14 @@ inline vec load_widened(const Eigen::bfloat16* src) {
       _mm512_maskz_slli_epi32(all_lanes, _mm512_maskz_cvtepu16_epi32(all_lanes, bits), 16));
 }
 
+// Without optimisation GCC implements the intrinsics that take an immediate as macros, which
+// pass their __mmask16 to a builtin taking a signed short: -Wsign-conversion would fire at
+// -O0 in the user's code for a conversion that is GCC's own.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wsign-conversion"
+#endif
+
 /// [base[0], base[stride], ..., base[15 stride]]; stride * 16 must fit in 32 bits.
 inline vec gather_strided(const float* base, Index stride) {
   const ivec offsets =
@@ -148,8 +156,8 @@ inline ivec load_indices(const std::int32_t* p) {
 /// score, or -inf in the lanes where key j lies outside [first, last).
 inline vec hide_outside(vec score, std::int32_t j, ivec first, ivec last) {
   const ivec key = _mm512_set1_epi32(j);
-  const __mmask16 hidden = static_cast<__mmask16>(_mm512_cmplt_epi32_mask(key, first) |
-                                                  _mm512_cmpge_epi32_mask(key, last));
+  const auto hidden = static_cast<__mmask16>(_mm512_cmplt_epi32_mask(key, first) |
+                                             _mm512_cmpge_epi32_mask(key, last));
   return _mm512_mask_mov_ps(score, hidden, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
 }
 
@@ -175,10 +183,16 @@ inline vec exp_shifted(vec x, vec shift) {
   return _mm512_maskz_scalef_ps(normal, p, n);
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
 /// Requests the cache line at `address`: a hint, which never faults (the address may lie
 /// past the data).
 inline void prefetch(std::uintptr_t address) {
-  _mm_prefetch(reinterpret_cast<const char*>(address), _MM_HINT_T0);
+  // An integer, because the address may lie past the data, where a pointer may not point.
+  _mm_prefetch(reinterpret_cast<const char*>(address),  // NOLINT(performance-no-int-to-ptr)
+               _MM_HINT_T0);
 }
 
 #include "attn/kernels/simd/gemm_micro.inl"

@@ -76,8 +76,8 @@ struct Gemm {
   /// compilers keep accumulators on the stack.)
   static void tile(Index depth, const float* ap, const float* bp, float* c, Index ldc, bool load_c,
                    const float* bias) {
-    constexpr std::size_t R = static_cast<std::size_t>(rows);
-    constexpr std::size_t V = static_cast<std::size_t>(gemm_vectors);
+    constexpr auto R = static_cast<std::size_t>(rows);
+    constexpr auto V = static_cast<std::size_t>(gemm_vectors);
     vec acc[R][V];
     if (load_c) {
 #pragma GCC unroll 16
@@ -88,10 +88,10 @@ struct Gemm {
       }
     } else {
 #pragma GCC unroll 16
-      for (std::size_t r = 0; r < R; ++r) {
+      for (vec(&row)[V] : acc) {
 #pragma GCC unroll 4
-        for (std::size_t v = 0; v < V; ++v)
-          acc[r][v] = zero();
+        for (vec& a : row)
+          a = zero();
       }
     }
 #pragma GCC unroll 2
@@ -113,8 +113,8 @@ struct Gemm {
       for (std::size_t v = 0; v < V; ++v) {
         const vec b = load(bias + lanes * static_cast<Index>(v));
 #pragma GCC unroll 16
-        for (std::size_t r = 0; r < R; ++r)
-          acc[r][v] = add(acc[r][v], b);
+        for (vec(&row)[V] : acc)
+          row[v] = add(row[v], b);
       }
     }
 #pragma GCC unroll 16

@@ -1,0 +1,100 @@
+// The loops of support/reference.hpp, compiled once (with the kernels' options, so
+// optimised in every build) for long double, double and float.
+#include "support/reference.hpp"
+
+namespace attn_test::reference {
+
+template <class R>
+Result<R> attention(const Problem& p, const std::vector<long double>& q,
+                    const std::vector<long double>& k, const std::vector<long double>& v,
+                    const Rounding<R>& rounding) {
+  const auto round = [](const std::function<R(R)>& f, R x) { return f ? f(x) : x; };
+  const auto real = [](long double x) { return static_cast<R>(x); };
+  const R scale = static_cast<R>(p.scale_or_default());
+  const R minus_inf = -std::numeric_limits<R>::infinity();
+  const Index group = p.q_heads / p.kv_heads;
+  Result<R> r;
+  r.out.assign(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length * p.value_dim), R(0));
+  r.lse.assign(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length), minus_inf);
+  r.weights.assign(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length * p.k_length), R(0));
+  std::vector<R> s(static_cast<std::size_t>(p.k_length));
+  std::vector<bool> seen(static_cast<std::size_t>(p.k_length));
+  for (Index b = 0; b < p.batch; ++b) {
+    for (Index h = 0; h < p.q_heads; ++h) {
+      const Index kv = b * p.kv_heads + h / group;
+      for (Index i = 0; i < p.q_length; ++i) {
+        const Index row = (b * p.q_heads + h) * p.q_length + i;
+        R m = minus_inf;
+        bool any = false, nan = false;
+        for (Index j = 0; j < p.k_length; ++j) {
+          seen[static_cast<std::size_t>(j)] = p.visible(b, h, i, j);
+          if (!seen[static_cast<std::size_t>(j)])
+            continue;
+          R dot = 0;
+          for (Index d = 0; d < p.dim; ++d) {
+            dot += real(q[static_cast<std::size_t>(row * p.dim + d)]) *
+                   real(k[static_cast<std::size_t>((kv * p.k_length + j) * p.dim + d)]);
+          }
+          R x = round(rounding.scores, scale * dot);
+          if (p.softcap) {
+            const R cap = static_cast<R>(*p.softcap);
+            x = cap * std::tanh(x / cap);
+          }
+          if (!p.alibi_slopes.empty()) {
+            const Index distance = p.diagonal(i) > j ? p.diagonal(i) - j : j - p.diagonal(i);
+            x -= static_cast<R>(p.alibi_slopes[static_cast<std::size_t>(h)]) *
+                 static_cast<R>(distance);
+          }
+          if (!p.bias.empty())
+            x += static_cast<R>(p.bias.at(b, h, i, j));
+          s[static_cast<std::size_t>(j)] = x;
+          any = true;
+          nan = nan || std::isnan(x);
+          if (x > m)
+            m = x;
+        }
+        if (nan)
+          m = std::numeric_limits<R>::quiet_NaN();
+        if (!any || m == minus_inf)
+          continue;  // sees no key: zeros, lse -inf
+        R sum = 0;
+        for (Index j = 0; j < p.k_length; ++j) {
+          if (seen[static_cast<std::size_t>(j)])
+            sum += std::exp(s[static_cast<std::size_t>(j)] - m);
+        }
+        r.lse[static_cast<std::size_t>(row)] = m + std::log(sum);
+        for (Index j = 0; j < p.k_length; ++j) {
+          if (!seen[static_cast<std::size_t>(j)])
+            continue;
+          const R w =
+              round(rounding.probabilities, std::exp(s[static_cast<std::size_t>(j)] - m) / sum);
+          r.weights[static_cast<std::size_t>(row * p.k_length + j)] = w;
+          for (Index e = 0; e < p.value_dim; ++e) {
+            r.out[static_cast<std::size_t>(row * p.value_dim + e)] +=
+                w * real(v[static_cast<std::size_t>((kv * p.k_length + j) * p.value_dim + e)]);
+          }
+        }
+        if (rounding.out) {
+          for (Index e = 0; e < p.value_dim; ++e) {
+            R& o = r.out[static_cast<std::size_t>(row * p.value_dim + e)];
+            o = rounding.out(o);
+          }
+        }
+      }
+    }
+  }
+  return r;
+}
+
+template Result<long double> attention<long double>(const Problem&, const std::vector<long double>&,
+                                                    const std::vector<long double>&,
+                                                    const std::vector<long double>&,
+                                                    const Rounding<long double>&);
+template Result<double> attention<double>(const Problem&, const std::vector<long double>&,
+                                          const std::vector<long double>&,
+                                          const std::vector<long double>&, const Rounding<double>&);
+template Result<float> attention<float>(const Problem&, const std::vector<long double>&,
+                                        const std::vector<long double>&,
+                                        const std::vector<long double>&, const Rounding<float>&);
+
+}  // namespace attn_test::reference

@@ -1,0 +1,123 @@
+// Test support: attention by plain loops, written from the rules of docs/masks.md alone.
+//
+// It includes no attn header. Nothing here is shared with attn's Mask, its tile classifier,
+// its softmax or its kernels, so a bug in any of those cannot cancel out of a comparison:
+//   - attention<long double>(...) is the truth the kernels are compared with;
+//   - attention<float>(...) (or double) is "a plain implementation in the same precision",
+//     the baseline of the error bounds (a kernel's error may be about twice its error);
+//   - Rounding emulates a kernel that keeps its scores, probabilities or output in a narrow
+//     type (16-bit storage, a half accumulator).
+//
+// Shapes: q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), contiguous row-major;
+// out (B, Hq, Lq, Dv), lse (B, Hq, Lq), weights (B, Hq, Lq, Lk). Query head h reads
+// key/value head h / (Hq / Hkv).
+#pragma once
+
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <functional>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace attn_test::reference {
+
+using Index = std::ptrdiff_t;
+
+enum class Causal { none, top_left, bottom_right };
+
+/// A tensor broadcastable to (B, H, Lq, Lk): each dim is 1 or the full size; row-major.
+template <class V>
+struct Broadcast4 {
+  std::vector<V> data;
+  std::array<Index, 4> dims{0, 0, 0, 0};
+
+  bool empty() const { return data.empty(); }
+  V at(Index b, Index h, Index i, Index j) const {
+    const std::array<Index, 4> x{b, h, i, j};
+    Index flat = 0;
+    for (std::size_t d = 0; d < 4; ++d)
+      flat = flat * dims[d] + (dims[d] == 1 ? 0 : x[d]);
+    return data[static_cast<std::size_t>(flat)];
+  }
+};
+
+/// One attention problem: its sizes and every mask and score option.
+struct Problem {
+  Index batch = 1, q_heads = 1, kv_heads = 1, q_length = 0, k_length = 0, dim = 1, value_dim = 1;
+  std::optional<long double> scale;  ///< default 1 / sqrt(D)
+  Causal causal = Causal::none;
+  Index window_left = -1, window_right = -1;  ///< -1 = unbounded
+  std::vector<Index> key_lengths;             ///< (B), or empty
+  Broadcast4<bool> keep;                      ///< true = may attend, or empty
+  Broadcast4<long double> bias;               ///< added to the scores, or empty
+  std::vector<long double> alibi_slopes;      ///< (Hq), or empty
+  std::optional<long double> softcap;
+
+  /// The diagonal of query i: i, or i + Lk - Lq unless the causal mask is top-left.
+  Index diagonal(Index i) const { return causal == Causal::top_left ? i : i + k_length - q_length; }
+
+  /// docs/masks.md: query i of batch b, head h may see key j.
+  bool visible(Index b, Index h, Index i, Index j) const {
+    if (!key_lengths.empty() && j >= key_lengths[static_cast<std::size_t>(b)])
+      return false;
+    const Index c = diagonal(i);
+    if (causal != Causal::none && j > c)
+      return false;
+    if (window_left >= 0 && j < c - window_left)
+      return false;
+    if (window_right >= 0 && j > c + window_right)
+      return false;
+    return keep.empty() || keep.at(b, h, i, j);
+  }
+
+  long double scale_or_default() const {
+    return scale ? *scale : 1.0L / std::sqrt(static_cast<long double>(dim));
+  }
+};
+
+/// Rounding applied to the raw scores (scale * q.k), to the normalised probabilities and
+/// to the output: identity when empty.
+template <class R>
+struct Rounding {
+  std::function<R(R)> scores, probabilities, out;
+};
+
+template <class R>
+struct Result {
+  std::vector<R> out;      ///< (B, Hq, Lq, Dv)
+  std::vector<R> lse;      ///< (B, Hq, Lq); -inf for a row that sees no key
+  std::vector<R> weights;  ///< (B, Hq, Lq, Lk); 0 for hidden keys
+};
+
+/// Attention with every operation in R (long double, double or float), on inputs given
+/// exactly as long double.
+///   s_j  = softcap * tanh(scale q.k_j / softcap) - slope_h |c(i) - j| + bias   (visible j)
+///   out  = sum_j exp(s_j - m) v_j / sum_j exp(s_j - m),  m = max_j s_j
+///   lse  = m + log sum_j exp(s_j - m)
+/// A row that sees no key (or only scores of -inf) outputs zeros and lse -inf; a NaN score
+/// makes the row NaN, and so does a +inf one. Compiled once, optimised, in reference.cpp: the
+/// tests call it on problems of millions of multiply-adds.
+template <class R>
+Result<R> attention(const Problem& p,
+                    const std::vector<long double>& q,  // (B, Hq, Lq, D)
+                    const std::vector<long double>& k,  // (B, Hkv, Lk, D)
+                    const std::vector<long double>& v,  // (B, Hkv, Lk, Dv)
+                    const Rounding<R>& rounding = {});
+
+extern template Result<long double> attention<long double>(const Problem&,
+                                                           const std::vector<long double>&,
+                                                           const std::vector<long double>&,
+                                                           const std::vector<long double>&,
+                                                           const Rounding<long double>&);
+extern template Result<double> attention<double>(const Problem&, const std::vector<long double>&,
+                                                 const std::vector<long double>&,
+                                                 const std::vector<long double>&,
+                                                 const Rounding<double>&);
+extern template Result<float> attention<float>(const Problem&, const std::vector<long double>&,
+                                               const std::vector<long double>&,
+                                               const std::vector<long double>&,
+                                               const Rounding<float>&);
+
+}  // namespace attn_test::reference
