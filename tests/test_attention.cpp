@@ -11,6 +11,7 @@
 #include "support/instances.hpp"
 
 #include "support/fixtures.hpp"
+#include "support/isa_cases.hpp"
 #include "support/sdpa_case.hpp"
 
 using attn::Index;
@@ -38,8 +39,10 @@ std::vector<double> slice(const std::vector<double>& flat, Index offset, Index c
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("batched attention matches the PyTorch fixtures", "[attention][isa]", float,
-                   double) {
+namespace {
+
+template <class TestType>
+void batched_attention_matches_the_pytorch_fixtures() {
   using T = TestType;
   const double rtol = attn_test::tolerance<T>();
   for (const json& c : ATTN_FIXTURE_CASES("sdpa.json", "cases", attn_test::sdpa_case_count)) {
@@ -73,8 +76,15 @@ TEMPLATE_TEST_CASE("batched attention matches the PyTorch fixtures", "[attention
   }
 }
 
-TEMPLATE_TEST_CASE("(B, L, H, D) memory through strided views matches the fixtures",
-                   "[attention][isa]", float, double) {
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("batched attention matches the PyTorch fixtures", "[attention]",
+                                    batched_attention_matches_the_pytorch_fixtures)
+
+namespace {
+
+template <class TestType>
+void b_l_h_d_memory_through_strided() {
   using T = TestType;
   for (const json& c : ATTN_FIXTURE_CASES("sdpa.json", "cases", attn_test::sdpa_case_count)) {
     SECTION(c.at("name").get<std::string>()) {
@@ -98,8 +108,16 @@ TEMPLATE_TEST_CASE("(B, L, H, D) memory through strided views matches the fixtur
   }
 }
 
-TEMPLATE_TEST_CASE("the one-head matrix overload matches the fixtures head by head",
-                   "[attention][isa]", float, double) {
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE(
+    "(B, L, H, D) memory through strided views matches the fixtures", "[attention]",
+    b_l_h_d_memory_through_strided)
+
+namespace {
+
+template <class TestType>
+void the_one_head_matrix_overload_matches_the() {
   using T = TestType;
   const double rtol = attn_test::tolerance<T>();
   for (const json& c : ATTN_FIXTURE_CASES("sdpa.json", "cases", attn_test::sdpa_case_count)) {
@@ -151,8 +169,16 @@ TEMPLATE_TEST_CASE("the one-head matrix overload matches the fixtures head by he
   }
 }
 
-TEMPLATE_TEST_CASE("NaN in q, k or v propagates to the rows it reaches", "[attention][isa]", float,
-                   double) {
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE(
+    "the one-head matrix overload matches the fixtures head by head", "[attention]",
+    the_one_head_matrix_overload_matches_the)
+
+namespace {
+
+template <class TestType>
+void nan_in_q_k_or_v_propagates() {
   using T = TestType;
   const T nan = std::numeric_limits<T>::quiet_NaN();
   attn::Matrix<T> q = attn::Matrix<T>::Random(4, 8), k = attn::Matrix<T>::Random(5, 8),
@@ -181,7 +207,15 @@ TEMPLATE_TEST_CASE("NaN in q, k or v propagates to the rows it reaches", "[atten
   }
 }
 
-TEMPLATE_TEST_CASE("empty problems are defined", "[attention][isa]", float, double) {
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("NaN in q, k or v propagates to the rows it reaches",
+                                    "[attention]", nan_in_q_k_or_v_propagates)
+
+namespace {
+
+template <class TestType>
+void empty_problems_are_defined() {
   using T = TestType;
   attn::Tensor<T, 4> q(2, 2, 0, 4), k(2, 2, 3, 4), v(2, 2, 3, 5);
   k.setConstant(1);
@@ -198,6 +232,11 @@ TEMPLATE_TEST_CASE("empty problems are defined", "[attention][isa]", float, doub
     REQUIRE(out.data()[n] == T(0));
   REQUIRE(lse(0, 0, 1) == -std::numeric_limits<T>::infinity());
 }
+
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("empty problems are defined", "[attention]",
+                                    empty_problems_are_defined)
 
 TEST_CASE("scaled_dot_product_attention rejects inconsistent shapes and options",
           "[attention][errors][isa]") {

@@ -512,8 +512,10 @@ TEMPLATE_TEST_CASE("KVCache::attend equals attention on each sequence, ragged an
 
 // --- MultiHeadAttention::forward_incremental -------------------------------------------
 
-TEMPLATE_TEST_CASE("decoding token by token through MultiHeadAttention equals the causal forward",
-                   "[kv_cache][multihead][isa]", float, double) {
+namespace {
+
+template <class TestType>
+void decoding_token_by_token_through_multiheadattention_equals() {
   using T = TestType;
   const double rtol = std::is_same_v<T, float> ? 1e-5 : 1e-12;
   for (const Index kv_heads : {4, 2, 1}) {
@@ -569,6 +571,12 @@ TEMPLATE_TEST_CASE("decoding token by token through MultiHeadAttention equals th
     }
   }
 }
+
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE(
+    "decoding token by token through MultiHeadAttention equals the causal forward",
+    "[kv_cache][multihead]", decoding_token_by_token_through_multiheadattention_equals)
 
 TEST_CASE("forward_incremental with a half cache and its errors", "[kv_cache][multihead][isa]") {
   attn::MultiHeadAttentionConfig config;

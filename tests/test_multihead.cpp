@@ -17,13 +17,14 @@
 #include "support/instances.hpp"
 
 #include "support/fixtures.hpp"
+#include "support/isa_cases.hpp"
 
 using attn::Index;
 using attn_test::json;
 
 namespace {
 
-/// MHA tolerances (relative, absolute below 1): the issue's bounds.
+/// MHA tolerances against torch (relative, absolute below 1), as docs/testing.md states them.
 template <class T>
 constexpr double mha_tolerance() {
   return std::is_same_v<T, float> ? 1e-5 : 1e-10;
@@ -136,8 +137,10 @@ struct MhaCase {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("MultiHeadAttention matches torch.nn.MultiheadAttention", "[multihead][isa]",
-                   float, double) {
+namespace {
+
+template <class TestType>
+void multiheadattention_matches_torch_nn_multiheadattention() {
   using T = TestType;
   const double rtol = mha_tolerance<T>();
   for (const json& c : ATTN_FIXTURE_CASES("mha.json", "cases", 21)) {
@@ -204,7 +207,16 @@ TEMPLATE_TEST_CASE("MultiHeadAttention matches torch.nn.MultiheadAttention", "[m
   }
 }
 
-TEMPLATE_TEST_CASE("fused and separate QKV projections agree", "[projection][isa]", float, double) {
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("MultiHeadAttention matches torch.nn.MultiheadAttention",
+                                    "[multihead]",
+                                    multiheadattention_matches_torch_nn_multiheadattention)
+
+namespace {
+
+template <class TestType>
+void fused_and_separate_qkv_projections_agree() {
   using T = TestType;
   const Index E = 48, B = 3, S = 11;
   const auto fused = attn::QKVProjection<T>::make(E, E, E, E, /*bias=*/true, /*seed=*/7);
@@ -249,8 +261,15 @@ TEMPLATE_TEST_CASE("fused and separate QKV projections agree", "[projection][isa
   }
 }
 
-TEMPLATE_TEST_CASE("QKVProjection with different widths (cross-attention)", "[projection][isa]",
-                   float, double) {
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("fused and separate QKV projections agree", "[projection]",
+                                    fused_and_separate_qkv_projections_agree)
+
+namespace {
+
+template <class TestType>
+void qkvprojection_with_different_widths_cross_attention() {
   using T = TestType;
   // Dk = 8 differs from Dv = 12 and from the input widths 20 / 24 / 28.
   const auto p = attn::QKVProjection<T>::make(20, 8, 8, 12, true, 3, 24, 28);
@@ -271,8 +290,16 @@ TEMPLATE_TEST_CASE("QKVProjection with different widths (cross-attention)", "[pr
                       "[20, 24, 28]: fusing needs one input width");
 }
 
-TEMPLATE_TEST_CASE("Linear on a matrix and on a (B, S, in) batch", "[projection][isa]", float,
-                   double) {
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("QKVProjection with different widths (cross-attention)",
+                                    "[projection]",
+                                    qkvprojection_with_different_widths_cross_attention)
+
+namespace {
+
+template <class TestType>
+void linear_on_a_matrix_and_on_a() {
   using T = TestType;
   const attn::Matrix<T> w = random_matrix<T>(6, 5, 4);
   attn::Vector<T> b(5);
@@ -297,6 +324,11 @@ TEMPLATE_TEST_CASE("Linear on a matrix and on a (B, S, in) batch", "[projection]
   const attn::Linear<T> no_bias(4, 3, false);
   REQUIRE_FALSE(no_bias.has_bias());
 }
+
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("Linear on a matrix and on a (B, S, in) batch", "[projection]",
+                                    linear_on_a_matrix_and_on_a)
 
 TEMPLATE_TEST_CASE(
     "the QKV-projection tutorial's einsum trap: X @ W.T is not X @ W; from_torch transposes",

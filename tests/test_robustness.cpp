@@ -19,6 +19,7 @@
 #include <attn/softmax.hpp>
 
 #include "support/instances.hpp"
+#include "support/isa_cases.hpp"
 
 using attn::Index;
 using Catch::Matchers::Contains;
@@ -65,8 +66,10 @@ bool same_bits(const T* a, const T* b, Index n) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("fuzz regression: a key the keep-mask hides is excluded whatever its bias",
-                   "[robustness][fuzz][isa]", float, double) {
+namespace {
+
+template <class TestType>
+void fuzz_regression_a_key_the_keep_mask() {
   // Found by fuzz_attention: the keep-mask wrote -inf and the bias was added after it, so a
   // hidden key with a +inf (or NaN) bias turned the score into NaN and the row into NaN.
   using T = TestType;
@@ -100,8 +103,16 @@ TEMPLATE_TEST_CASE("fuzz regression: a key the keep-mask hides is excluded whate
   }
 }
 
-TEMPLATE_TEST_CASE("empty batches, queries, keys and value dims are defined in every kernel",
-                   "[robustness][edge][isa]", float, double) {
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE(
+    "fuzz regression: a key the keep-mask hides is excluded whatever its bias",
+    "[robustness][fuzz]", fuzz_regression_a_key_the_keep_mask)
+
+namespace {
+
+template <class TestType>
+void empty_batches_queries_keys_and_value_dims() {
   using T = TestType;
   const T minus_inf = -std::numeric_limits<T>::infinity();
   for (const attn::Algorithm algorithm : all_algorithms) {
@@ -153,7 +164,16 @@ TEMPLATE_TEST_CASE("empty batches, queries, keys and value dims are defined in e
               .size() == 0);
 }
 
-TEMPLATE_TEST_CASE("D = 1 matches the closed form", "[robustness][edge][isa]", float, double) {
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE(
+    "empty batches, queries, keys and value dims are defined in every kernel", "[robustness][edge]",
+    empty_batches_queries_keys_and_value_dims)
+
+namespace {
+
+template <class TestType>
+void d_1_matches_the_closed_form() {
   // One query q = 2 against keys 0 and 1 (scale 1): weights 1 / (1 + e^2) and e^2 / (1 + e^2).
   using T = TestType;
   attn::Matrix<T> q(1, 1), k(2, 1), v(2, 2);
@@ -177,7 +197,15 @@ TEMPLATE_TEST_CASE("D = 1 matches the closed form", "[robustness][edge][isa]", f
   }
 }
 
-TEMPLATE_TEST_CASE("a single query against 100000 keys", "[robustness][edge][isa]", float, double) {
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("D = 1 matches the closed form", "[robustness][edge]",
+                                    d_1_matches_the_closed_form)
+
+namespace {
+
+template <class TestType>
+void a_single_query_against_100000_keys() {
   using T = TestType;
   constexpr Index keys = 100000;
   const attn::Matrix<T> v = random_matrix<T>(keys, 3, 5u);
@@ -207,8 +235,15 @@ TEMPLATE_TEST_CASE("a single query against 100000 keys", "[robustness][edge][isa
   }
 }
 
-TEMPLATE_TEST_CASE("misaligned and strided views give the contiguous result",
-                   "[robustness][layout][isa]", float, double) {
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("a single query against 100000 keys", "[robustness][edge]",
+                                    a_single_query_against_100000_keys)
+
+namespace {
+
+template <class TestType>
+void misaligned_and_strided_views_give_the_contiguous() {
   using T = TestType;
   const Index B = 2, H = 2, L = 37, D = 9, Dv = 5, pad = 3;
   const attn::Tensor<T, 4> q = random_tensor<T>(B, H, L, D, 11u),
@@ -263,8 +298,16 @@ TEMPLATE_TEST_CASE("misaligned and strided views give the contiguous result",
   }
 }
 
-TEMPLATE_TEST_CASE("output aliasing: in place over q works, any other overlap throws",
-                   "[robustness][aliasing][isa]", float, double) {
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("misaligned and strided views give the contiguous result",
+                                    "[robustness][layout]",
+                                    misaligned_and_strided_views_give_the_contiguous)
+
+namespace {
+
+template <class TestType>
+void output_aliasing_in_place_over_q_works() {
   using T = TestType;
   const Index B = 2, H = 4, Hkv = 2, L = 21, D = 8;
   const attn::Tensor<T, 4> q = random_tensor<T>(B, H, L, D, 21u),
@@ -324,8 +367,16 @@ TEMPLATE_TEST_CASE("output aliasing: in place over q works, any other overlap th
       "with q, k and v");
 }
 
-TEMPLATE_TEST_CASE("subnormal inputs and all-equal logits", "[robustness][edge][isa]", float,
-                   double) {
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE(
+    "output aliasing: in place over q works, any other overlap throws", "[robustness][aliasing]",
+    output_aliasing_in_place_over_q_works)
+
+namespace {
+
+template <class TestType>
+void subnormal_inputs_and_all_equal_logits() {
   using T = TestType;
   const T tiny = std::numeric_limits<T>::denorm_min() * T(3);
   for (const attn::Algorithm algorithm : all_algorithms) {
@@ -357,8 +408,15 @@ TEMPLATE_TEST_CASE("subnormal inputs and all-equal logits", "[robustness][edge][
   }
 }
 
-TEMPLATE_TEST_CASE("infinities in q or k: -inf logits hide keys, +inf and inf - inf give NaN",
-                   "[robustness][nan][isa]", float, double) {
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("subnormal inputs and all-equal logits", "[robustness][edge]",
+                                    subnormal_inputs_and_all_equal_logits)
+
+namespace {
+
+template <class TestType>
+void infinities_in_q_or_k_inf_logits() {
   // The rule (README, "Error contract"): a logit of -inf hides its key like a mask; a logit
   // of +inf or NaN (inf * 0, inf - inf) makes the row NaN; rows not reached stay finite.
   using T = TestType;
@@ -384,6 +442,12 @@ TEMPLATE_TEST_CASE("infinities in q or k: -inf logits hide keys, +inf and inf - 
                  Catch::Matchers::WithinRel((10 * e05 + 20 * e2) / (e05 + e2), 1e-6));
   }
 }
+
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE(
+    "infinities in q or k: -inf logits hide keys, +inf and inf - inf give NaN", "[robustness][nan]",
+    infinities_in_q_or_k_inf_logits)
 
 TEST_CASE("wrong shapes: every public entry point names itself and the shapes",
           "[robustness][errors][isa]") {
@@ -450,8 +514,10 @@ TEST_CASE("the build has OpenMP when it was asked for", "[robustness][determinis
 }
 
 #if ATTN_HAS_OPENMP
-TEMPLATE_TEST_CASE("same inputs, same bits: repeated calls and 1 or 2 OpenMP threads",
-                   "[robustness][determinism][isa]", float, double) {
+namespace {
+
+template <class TestType>
+void same_inputs_same_bits_repeated_calls_and() {
   // test_kernels.cpp checks chunked and flash (and test_linear_attention.cpp linear
   // attention) with 1 and 2 threads on one shape; this adds naive, repeated calls, masks
   // with a bias and GQA, for every kernel.
@@ -490,4 +556,10 @@ TEMPLATE_TEST_CASE("same inputs, same bits: repeated calls and 1 or 2 OpenMP thr
     REQUIRE(same_bits(first[n].data(), one[n].data(), size));
   }
 }
+
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE(
+    "same inputs, same bits: repeated calls and 1 or 2 OpenMP threads", "[robustness][determinism]",
+    same_inputs_same_bits_repeated_calls_and)
 #endif  // ATTN_HAS_OPENMP

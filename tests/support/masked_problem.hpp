@@ -14,6 +14,7 @@
 #include <attn/attention.hpp>
 
 #include "support/heads.hpp"
+#include "support/isa_cases.hpp"
 #include "support/reference.hpp"
 
 namespace attn_test {
@@ -247,13 +248,3 @@ double error_bound(double plain_error) {
 }
 
 }  // namespace attn_test
-
-/// Registers body<float>() as a test case run once per instruction set ([isa]) and
-/// body<double>() as one run once: double always runs the generic kernels.
-#define ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE(name, tags, body) \
-  TEST_CASE(name " - float", tags "[isa]") {                  \
-    body<float>();                                            \
-  }                                                           \
-  TEST_CASE(name " - double", tags) {                         \
-    body<double>();                                           \
-  }
