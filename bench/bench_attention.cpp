@@ -111,7 +111,7 @@ void BM_sdpa(benchmark::State& state, attn::Algorithm algorithm, std::size_t fir
 
 // Prefill against 16-bit keys and values: float q and out, k and v stored as S (half or
 // bfloat16) and widened tile by tile inside the flash kernel. Same FLOPs as "flash"; the
-// widening is the extra cost (the target: at most 15% over float at L = 4096).
+// widening is the extra cost (docs/performance.md compares it with float at L = 4096).
 template <class S>
 void BM_flash_kv16(benchmark::State& state) {
   const Index length = state.range(0), dim = state.range(1);

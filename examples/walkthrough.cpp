@@ -263,8 +263,8 @@ bool run(const std::filesystem::path& out_dir) {
   // stay positive nor sum to 1 over the keys.
   const Mat KV = K.transpose() * V;                                        // (D, Dv)
   const Eigen::VectorXd Z = (Q.rowwise().sum().array() + 1e-8).inverse();  // (L)
-  const Mat seed_linear = Z.asDiagonal() * (Q * KV);                       // (L, Dv)
-  const Eigen::VectorXd seed_row_sums = Z.asDiagonal() * (Q * K.transpose()).rowwise().sum();
+  const Mat tutorial_linear = Z.asDiagonal() * (Q * KV);                   // (L, Dv)
+  const Eigen::VectorXd tutorial_row_sums = Z.asDiagonal() * (Q * K.transpose()).rowwise().sum();
   // Linear attention proper (Katharopoulos et al.): a positive feature map phi = elu + 1
   // and the normaliser phi(q_i) . sum_j phi(k_j), so the weights are positive and sum to 1.
   const Mat phi_q = elu_plus_one(Q);                                                     // (L, D)
@@ -275,8 +275,8 @@ bool run(const std::filesystem::path& out_dir) {
   const Mat correct_linear = normaliser.cwiseInverse().asDiagonal() * (phi_q * phi_kv);  // (L, Dv)
   const Eigen::VectorXd correct_row_sums =
       normaliser.cwiseInverse().asDiagonal() * (phi_q * phi_k.transpose()).rowwise().sum();
-  print("tutorial linear_attention output", seed_linear);
-  std::cout << "  its implied weights sum to " << seed_row_sums.transpose()
+  print("tutorial linear_attention output", tutorial_linear);
+  std::cout << "  its implied weights sum to " << tutorial_row_sums.transpose()
             << " per query\n  (row 1 lies far outside the range of V's entries: not an average)\n";
   print("phi(q_i) (phi(K)^T V) / (phi(q_i) . sum_j phi(k_j)), phi = elu + 1", correct_linear);
   std::cout << "  its implied weights sum to " << correct_row_sums.transpose()

@@ -173,16 +173,16 @@ TEMPLATE_TEST_CASE("linear attention matches the NumPy quadratic reference", "[l
 }
 
 TEMPLATE_TEST_CASE("the tutorial's linear_attention differs from the normalised one",
-                   "[linear][seed]", float, double) {
+                   "[linear][tutorial]", float, double) {
   using T = TestType;
   const double rtol = attn_test::tolerance<T>();
-  const json& seed = attn_test::fixture("linear.json").at("seed");
-  const attn::Matrix<T> q = attn_test::matrix<T>(seed.at("Q"));  // (6, 4)
-  const attn::Matrix<T> k = attn_test::matrix<T>(seed.at("K"));  // (6, 4)
-  const attn::Matrix<T> v = attn_test::matrix<T>(seed.at("V"));  // (6, 3)
-  const std::vector<double> seed_out = attn_test::values<double>(seed.at("seed_out"));
-  const std::vector<double> elu_out = attn_test::values<double>(seed.at("elu_plus_one_out"));
-  const std::vector<double> identity_out = attn_test::values<double>(seed.at("identity_out"));
+  const json& tutorial = attn_test::fixture("linear.json").at("tutorial");
+  const attn::Matrix<T> q = attn_test::matrix<T>(tutorial.at("Q"));  // (6, 4)
+  const attn::Matrix<T> k = attn_test::matrix<T>(tutorial.at("K"));  // (6, 4)
+  const attn::Matrix<T> v = attn_test::matrix<T>(tutorial.at("V"));  // (6, 3)
+  const std::vector<double> tutorial_out = attn_test::values<double>(tutorial.at("tutorial_out"));
+  const std::vector<double> elu_out = attn_test::values<double>(tutorial.at("elu_plus_one_out"));
+  const std::vector<double> identity_out = attn_test::values<double>(tutorial.at("identity_out"));
 
   // attn computes the correct forms ...
   const attn::Matrix<T> elu = attn::linear_attention(q, k, v);
@@ -196,15 +196,16 @@ TEMPLATE_TEST_CASE("the tutorial's linear_attention differs from the normalised 
   // keys out of the normaliser changes the numbers.
   const auto worst_difference = [&](const std::vector<double>& other) {
     double worst = 0;
-    for (std::size_t n = 0; n < seed_out.size(); ++n)
-      worst = std::max(worst, std::abs(seed_out[n] - other[n]));
+    for (std::size_t n = 0; n < tutorial_out.size(); ++n)
+      worst = std::max(worst, std::abs(tutorial_out[n] - other[n]));
     return worst;
   };
   CHECK(worst_difference(elu_out) > 0.1);
   CHECK(worst_difference(identity_out) > 0.1);
   // Its normaliser sum(q_i) is negative for some row: the "weights" are not an average.
-  const std::vector<double> seed_normaliser = attn_test::values<double>(seed.at("seed_normaliser"));
-  CHECK(*std::min_element(seed_normaliser.begin(), seed_normaliser.end()) < 0);
+  const std::vector<double> tutorial_normaliser =
+      attn_test::values<double>(tutorial.at("tutorial_normaliser"));
+  CHECK(*std::min_element(tutorial_normaliser.begin(), tutorial_normaliser.end()) < 0);
   // With elu + 1 every output is a convex combination of the values: inside their range.
   for (Index c = 0; c < v.cols(); ++c) {
     CHECK(elu.col(c).maxCoeff() <= v.col(c).maxCoeff());

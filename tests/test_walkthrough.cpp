@@ -240,7 +240,7 @@ TEST_CASE("the library reproduces every stage of the walkthrough", "[walkthrough
     REQUIRE_RELATIVE(weights, "causal_weights", kRelative);
     REQUIRE_RELATIVE(output, "causal_output", kRelative);
     // No row is fully masked here, so in float64 the tutorial's -1e9 gives the same weights.
-    REQUIRE_RELATIVE(weights, "seed_minus_1e9_causal_weights", kRelative);
+    REQUIRE_RELATIVE(weights, "tutorial_minus_1e9_causal_weights", kRelative);
   }
 }
 
@@ -281,8 +281,8 @@ TEST_CASE("the tutorial's linear_attention is not normalised over the keys",
 
   // Tutorial: KV = K^T V; Z = 1 / (sum(Q, axis=1) + 1e-8); out = Z * (Q KV).
   const Eigen::VectorXd z = (Q.rowwise().sum().array() + 1e-8).inverse();  // (L)
-  const Mat seed = z.asDiagonal() * (Q * (K.transpose() * V));             // (L, Dv)
-  REQUIRE_RELATIVE(seed, "seed_linear_attention_output", kRelative);
+  const Mat tutorial = z.asDiagonal() * (Q * (K.transpose() * V));         // (L, Dv)
+  REQUIRE_RELATIVE(tutorial, "tutorial_linear_attention_output", kRelative);
 
   // phi = elu + 1; out_i = phi(q_i) (phi(K)^T V) / (phi(q_i) . sum_j phi(k_j) + 1e-6).
   const Mat phi_q = elu_plus_one(Q);  // (L, D)
@@ -291,16 +291,16 @@ TEST_CASE("the tutorial's linear_attention is not normalised over the keys",
   const Mat correct = normaliser.cwiseInverse().asDiagonal() * (phi_q * (phi_k.transpose() * V));
   REQUIRE_RELATIVE(correct, "correct_linear_attention_output", kRelative);
 
-  const Mat seed_expected = fixture_matrix("seed_linear_attention_output");
+  const Mat tutorial_expected = fixture_matrix("tutorial_linear_attention_output");
   const Mat correct_expected = fixture_matrix("correct_linear_attention_output");
-  CHECK((seed_expected - correct_expected).cwiseAbs().maxCoeff() > 1e-3);
+  CHECK((tutorial_expected - correct_expected).cwiseAbs().maxCoeff() > 1e-3);
   // The normalised version is an average of V's rows: every entry within V's column range.
   for (Index c = 0; c < V.cols(); ++c) {
     CHECK(correct_expected.col(c).maxCoeff() <= V.col(c).maxCoeff());
     CHECK(correct_expected.col(c).minCoeff() >= V.col(c).minCoeff());
   }
   // The tutorial's is not (its row 1 is far outside).
-  CHECK(seed_expected.row(1).minCoeff() < V.minCoeff());
+  CHECK(tutorial_expected.row(1).minCoeff() < V.minCoeff());
 }
 
 TEST_CASE("a fully masked row: -1e9 gives uniform or unmasked weights, attn gives zeros",

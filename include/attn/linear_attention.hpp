@@ -63,9 +63,9 @@ enum class FeatureKind : std::uint8_t {
   custom,        ///< a user callable applied row by row
 };
 
-/// Default rows per chunk of the causal prefix sums (and of every pass over q and k). Chosen
-/// by bench/bench_linear.cpp (float, D = Dv = 64, causal, L = 16384, one thread): chunks of
-/// 16 took 48.9 ms, 32 51.8 ms, 64 61.9 ms; non-causal does not depend on it.
+/// Default rows per chunk of the causal prefix sums (and of every pass over q and k), the
+/// fastest in bench/bench_linear.cpp (docs/performance.md, "Tuning choices"); non-causal
+/// attention does not depend on it.
 inline constexpr Index default_linear_chunk = 16;
 
 /// A feature map phi: (n, D) rows -> (n, M) features, applied row by row to queries and keys.

@@ -73,11 +73,10 @@ inline constexpr Index decode_split_keys = 512;
 /// Keys per block inside a split (scored and accumulated together).
 inline constexpr Index decode_key_block = 64;
 
-/// Algorithm::automatic uses the decode kernel for at most this many queries per head.
-/// Measured (bench_decode's decode_vs_flash_by_Lq, Lk = 4096, D = 128, one thread): with
-/// the vector products decode takes well under the flash time up to Lq = 8 (AVX-512 on a
-/// Xeon: 0.64x / 0.17x at Lq = 1 for MHA / GQA 32/8, 0.85x / 0.54x at Lq = 8, 1.2x / 0.95x at
-/// Lq = 16); Eigen's row-by-row products stop paying at Lq = 4.
+/// Algorithm::automatic uses the decode kernel for at most this many queries per head: up to
+/// there it beats flash (bench_decode's decode_vs_flash_by_Lq; docs/performance.md, "Tuning
+/// choices"). The vector products keep their lead to Lq = 8, Eigen's row-by-row products
+/// to Lq = 4.
 inline Index decode_max_queries(Isa isa) {
   return isa == Isa::generic ? 4 : 8;
 }

@@ -28,10 +28,10 @@ walkthrough.json
       causal_mask                   tril(ones(3, 3)) (bool tensor)
       causal_weights, causal_output softmax over j <= i only (masked keys are
                                     excluded exactly, weight exactly 0)
-      seed_minus_1e9_causal_weights the tutorial's own masking,
+      tutorial_minus_1e9_causal_weights the tutorial's own masking,
                                     softmax(scaled_scores - 1e9*(1-mask)),
                                     in float64
-      seed_linear_attention_output  the tutorial's linear_attention(Q, K, V):
+      tutorial_linear_attention_output  the tutorial's linear_attention(Q, K, V):
                                     KV = K.T@V; Z = 1/(Q.sum(1, keepdims)+1e-8);
                                     Z * (Q@KV)   (not a normalised attention)
       correct_linear_attention_output
@@ -810,12 +810,12 @@ def build_walkthrough():
         e = np.exp(row - row.max())
         cw[i, : i + 1] = e / e.sum()
     causal_output = cw @ V
-    seed_causal = np_softmax_rows(scaled - 1e9 * (1 - np.tril(np.ones((3, 3)))))
+    tutorial_causal = np_softmax_rows(scaled - 1e9 * (1 - np.tril(np.ones((3, 3)))))
 
     # tutorial's linear_attention, verbatim formula
     KV = np.dot(K.T, V)
     Z = 1 / (np.sum(Q, axis=1, keepdims=True) + 1e-8)
-    seed_lin = Z * np.dot(Q, KV)
+    tutorial_lin = Z * np.dot(Q, KV)
 
     def phi(x):
         return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
@@ -828,7 +828,7 @@ def build_walkthrough():
         acc = sum(np.dot(pq[i], pk[j]) * V[j] for j in range(3))
         nrm = sum(np.dot(pq[i], pk[j]) for j in range(3)) + 1e-6
         assert close(acc / nrm, correct_lin[i])
-    assert not close(seed_lin, correct_lin, 1e-3)
+    assert not close(tutorial_lin, correct_lin, 1e-3)
 
     row = scaled[0:1]
     full_mask_row = np.zeros((1, 3))
@@ -845,7 +845,7 @@ def build_walkthrough():
     assert close(w[0, 0], weights) and close(o[0, 0], output)
     o, w, _, _ = sdpa_torch(q4, k4, v4, 1.0 / math.sqrt(3), "top_left", [-1, -1], None, None, None)
     assert close(w[0, 0], cw) and close(o[0, 0], causal_output)
-    assert close(seed_causal, cw, 1e-12)
+    assert close(tutorial_causal, cw, 1e-12)
     assert close(weights.sum(axis=1), np.ones(3)) and close(cw.sum(axis=1), np.ones(3))
 
     return {
@@ -855,8 +855,8 @@ def build_walkthrough():
         "weights": tensor(weights), "output": tensor(output),
         "causal_mask": tensor(mask),
         "causal_weights": tensor(cw), "causal_output": tensor(causal_output),
-        "seed_minus_1e9_causal_weights": tensor(seed_causal),
-        "seed_linear_attention_output": tensor(seed_lin),
+        "tutorial_minus_1e9_causal_weights": tensor(tutorial_causal),
+        "tutorial_linear_attention_output": tensor(tutorial_lin),
         "correct_linear_attention_output": tensor(correct_lin),
         "minus_1e9_fully_masked_scores": tensor(row),
         "minus_1e9_fully_masked_weights": tensor(m1e9),

@@ -36,15 +36,15 @@ float32 tests are well conditioned.
 
 File: linear.json
 -----------------
-  {"cases": [case, ...], "seed": seed}
+  {"cases": [case, ...], "tutorial": tutorial}
   case: name, feature_map, causal ("none" | "top_left" | "bottom_right"),
         key_lengths (list of B ints or null), eps,
         q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), out (B, Hq, Lq, Dv)
-  seed: the tutorial's section 12 on one (L, D) = (6, 4) head:
+  tutorial: the tutorial's section 12 on one (L, D) = (6, 4) head:
         Q, K, V                  inputs (float32-representable)
-        seed_normaliser          sum(Q, axis=1) + 1e-8: the tutorial's
+        tutorial_normaliser          sum(Q, axis=1) + 1e-8: the tutorial's
                                  denominator (no keys in it; has a negative entry)
-        seed_out                 Z * (Q @ (K.T @ V)), Z = 1 / seed_normaliser
+        tutorial_out                 Z * (Q @ (K.T @ V)), Z = 1 / tutorial_normaliser
         identity_out             phi = identity, normalised over the keys:
                                  Q (K^T V) / (Q . sum_j k_j + 1e-6)
         elu_plus_one_out         phi = elu + 1, normalised over the keys
@@ -204,16 +204,16 @@ def build_cases():
     return cases
 
 
-def build_seed():
-    rng = rng_for("seed_000_section_12")
+def build_tutorial():
+    rng = rng_for("seed_000_section_12")  # the name its draws were first made under
     while True:  # redraw until the tutorial's denominator has a negative entry
         Q = f32(rng.standard_normal((6, 4)))
         K = f32(rng.standard_normal((6, 4)))
         V = f32(rng.standard_normal((6, 3)))
         if np.sum(Q, axis=1).min() < 0:
             break
-    seed_norm = np.sum(Q, axis=1, keepdims=True) + 1e-8
-    seed_out = (1 / seed_norm) * np.dot(Q, np.dot(K.T, V))
+    tutorial_norm = np.sum(Q, axis=1, keepdims=True) + 1e-8
+    tutorial_out = (1 / tutorial_norm) * np.dot(Q, np.dot(K.T, V))
     ident = (Q @ (K.T @ V)) / (Q @ K.sum(axis=0) + EPS)[:, None]
     pq, pk = phi("elu_plus_one", Q), phi("elu_plus_one", K)
     elu = (pq @ (pk.T @ V)) / (pq @ pk.sum(axis=0) + EPS)[:, None]
@@ -222,15 +222,15 @@ def build_seed():
     assert close(o[0, 0], elu)
     o, _ = quadratic("identity", Q[None, None], K[None, None], V[None, None], "none", None, EPS)
     assert close(o[0, 0], ident)
-    assert np.abs(seed_out - elu).max() > 0.1 and np.abs(seed_out - ident).max() > 0.1
+    assert np.abs(tutorial_out - elu).max() > 0.1 and np.abs(tutorial_out - ident).max() > 0.1
     return {"Q": tensor(Q), "K": tensor(K), "V": tensor(V),
-            "seed_normaliser": tensor(seed_norm[:, 0]), "seed_out": tensor(seed_out),
+            "tutorial_normaliser": tensor(tutorial_norm[:, 0]), "tutorial_out": tensor(tutorial_out),
             "identity_out": tensor(ident), "elu_plus_one_out": tensor(elu)}
 
 
 def main():
     cases = build_cases()
-    obj = {"cases": cases, "seed": build_seed()}
+    obj = {"cases": cases, "tutorial": build_tutorial()}
     path = os.path.join(HERE, "linear.json")
     with open(path, "w", encoding="utf-8", newline="\n") as fh:
         fh.write(json.dumps(obj, separators=(",", ":"), allow_nan=False))

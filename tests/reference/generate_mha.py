@@ -182,8 +182,8 @@ CASES = []
 
 def add_case(name, E, H, B, L, S, kdim=None, vdim=None, bias=True, add_bias_kv=False,
              add_zero_attn=False, self_attn=False, kpm=None, attn_mask=None, is_causal=False,
-             integer_weights=False):
-    rng = rng_for(name)
+             integer_weights=False, rng_name=None):
+    rng = rng_for(rng_name or name)
     kdim = kdim or E
     vdim = vdim or E
     cfg = {"embed_dim": E, "num_heads": H, "kdim": kdim, "vdim": vdim, "bias": bias,
@@ -323,8 +323,9 @@ def build():
     add_case("add_bias_kv_causal_self", E, H, B, 6, 6, self_attn=True, add_bias_kv=True,
              is_causal=True)
     add_case("e24_h1_single_head", 24, 1, 3, 4, 4, self_attn=True)
-    add_case("seed002_e768_h12_b2_s10", 768, 12, 2, 10, 10, self_attn=True,
-             integer_weights=True)
+    # The QKV-projection tutorial's shape; its draws keep the name the case was first given.
+    add_case("qkv_tutorial_e768_h12_b2_s10", 768, 12, 2, 10, 10, self_attn=True,
+             integer_weights=True, rng_name="seed002_e768_h12_b2_s10")
 
 
 def main():

@@ -132,7 +132,7 @@ void dot_scores(const T* q, Index q_stride, Index rows, const T* k, Index k_stri
   const ConstRowsMap<T> k_block(k, keys, dim, Eigen::OuterStride<>(k_stride));
   RowsMap<T> scores_block(s, rows, keys, Eigen::OuterStride<>(s_stride));
   // One matrix-vector product per row: Eigen's GEMM packs both operands, which at
-  // G * Lq <= 64 rows costs more than the arithmetic (measured 1.6x slower).
+  // G * Lq <= 64 rows costs more than the arithmetic (docs/performance.md, "Tuning choices").
   for (Index r = 0; r < rows; ++r) {
     scores_block.row(r).noalias() =
         ConstRowsMap<T>(q + r * q_stride, 1, dim, Eigen::OuterStride<>(q_stride)) *

@@ -22,7 +22,7 @@
 //
 // The buffers are 64-byte aligned whatever the translation unit's flags. Eigen's own heap
 // alignment follows them (16 bytes in a build without -march), and the AVX-512 kernels,
-// which run in such builds too, lose about 8% on rows that straddle cache lines.
+// which run in such builds too, would lose time on rows that straddle cache lines.
 #pragma once
 
 #include <cstdint>

@@ -342,8 +342,8 @@ inline void widen(const S* src, float* dst, Index n) {
 
 /// Rows this far ahead of the one being read are requested from memory: blocks of K and V
 /// alternate, a 256-byte row crosses a page every 16 rows, and the hardware prefetcher alone
-/// lets the loads wait (GQA decoding at Lk = 32768 went from 55% to 70-95% of the streaming
-/// probe with AVX-512; distances 8-64 tried, 32 best).
+/// lets the loads wait. The distance was chosen by measurement (docs/performance.md,
+/// "Tuning choices").
 inline constexpr Index prefetch_keys = 32;
 
 template <class S>
