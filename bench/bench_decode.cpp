@@ -114,9 +114,7 @@ void BM_decode(benchmark::State& state) {
                                   kv_heads, k_length, dim);
   attn::AttentionOptions<float> options;
   options.causal = attn::Causal::bottom_right;
-  const attn::Mask<float> mask("bench_decode", 1, q_heads, q_length, k_length, options.causal,
-                               options.window, options.key_lengths, options.keep_mask,
-                               options.bias);
+  const attn::Mask<float> mask("bench_decode", 1, q_heads, q_length, k_length, options);
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
   const auto run = [&](std::vector<float>& result, Kernel which) {
     const auto out_view = attn::bhld_view(result.data(), Index(1), q_heads, q_length, dim);
@@ -125,7 +123,7 @@ void BM_decode(benchmark::State& state) {
           attn::plan_attention<float>({1, q_heads, kv_heads, q_length, k_length, dim, dim},
                                       attn::Algorithm::decode, 0, 0, false);
       attn::detail::decode_attention<float, Eigen::half>(plan, qv, kh, vh, out_view, mask, scale,
-                                                         nullptr);
+                                                         attn::detail::RowValues<float>{});
       return;
     }
     options.algorithm = which == Kernel::flash    ? attn::Algorithm::flash

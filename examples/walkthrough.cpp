@@ -152,8 +152,9 @@ bool run(const std::filesystem::path& out_dir) {
   // ---------------------------------------------------------------------------------
   heading("7. Causal mask (top-left: query i sees keys j <= i)");
   // The library's description of the mask, for one head: (B, H, Lq, Lk) = (1, 1, 3, 3).
-  const attn::Mask<double> causal("walkthrough", 1, 1, 3, 3, attn::Causal::top_left, attn::Window{},
-                                  {}, {}, {});
+  attn::MaskOptions<double> top_left;
+  top_left.causal = attn::Causal::top_left;
+  const attn::Mask<double> causal("walkthrough", 1, 1, 3, 3, top_left);
   std::cout << "visible keys (1 = may attend), the tutorial's np.tril(np.ones((3, 3))):\n";
   for (Index i = 0; i < 3; ++i) {
     std::cout << "  [";

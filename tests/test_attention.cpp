@@ -142,6 +142,11 @@ void the_one_head_matrix_overload_matches_the() {
             options.alibi_slopes.assign(1, fx.options.alibi_slopes[std::size_t(h)]);
           if (!fx.options.key_lengths.empty())
             options.key_lengths.assign(1, fx.options.key_lengths[std::size_t(b)]);
+          if (!fx.options.query_lengths.empty())
+            options.query_lengths.assign(1, fx.options.query_lengths[std::size_t(b)]);
+          if (!fx.options.sinks.empty())
+            options.sinks.assign(1, fx.options.sinks[std::size_t(h)]);
+          options.sink_tokens = fx.options.sink_tokens;
           attn::Matrix<bool> keep;
           attn::Matrix<T> bias;
           if (fx.keep_mask.size() > 0) {

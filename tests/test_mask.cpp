@@ -45,8 +45,15 @@ TEST_CASE("mask visibility equals the fixtures' nonzero weights", "[mask]") {
                                                  ? std::vector<Index>{}
                                                  : c.at("key_lengths").get<std::vector<Index>>();
       const auto window = c.at("window").get<std::vector<Index>>();
-      const attn::Mask<double> mask("test", batch, heads, lq, lk, causal_from(c.at("causal")),
-                                    {window[0], window[1]}, key_lengths, keep_view, {});
+      attn::MaskOptions<double> options;
+      options.causal = causal_from(c.at("causal"));
+      options.window = {window[0], window[1]};
+      options.key_lengths = key_lengths;
+      options.keep_mask = keep_view;
+      if (!c.at("query_lengths").is_null())
+        options.query_lengths = c.at("query_lengths").get<std::vector<Index>>();
+      options.sink_tokens = c.at("sink_tokens").get<Index>();
+      const attn::Mask<double> mask("test", batch, heads, lq, lk, options);
       const std::vector<double> weights = attn_test::values<double>(c.at("weights"));
       for (Index b = 0; b < batch; ++b) {
         for (Index h = 0; h < heads; ++h) {

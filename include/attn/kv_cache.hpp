@@ -91,7 +91,8 @@ class KVCache {
   }
 
   /// (B, Hkv, max_length, D) view of the keys: rows j >= lengths()[b] of sequence b are
-  /// unused (pass lengths() as AttentionOptions::key_lengths). B and H strides span the
+  /// unused (pass lengths() as AttentionOptions::key_lengths with Causal::bottom_right: each
+  /// sequence's diagonal is then measured from its own length). B and H strides span the
   /// whole capacity; valid until the next append, reserve or destruction.
   HeadsView<const S> keys_view() const { return view(keys_.data(), dim_); }
   /// (B, Hkv, max_length, Dv) view of the values, as keys_view().
@@ -171,11 +172,12 @@ class KVCache {
 
   /// Attention of Lq new queries q (B, Hq, Lq, D), the last Lq tokens of every sequence,
   /// against the cache, written into out (B, Hq, Lq, Dv) (any strided views), with the
-  /// bottom-right causal alignment per sequence. `options` may add a window, ALiBi slopes,
-  /// a softcap, a scale, a keep-mask and a bias (both broadcastable to (B, Hq, Lq, Lk),
-  /// Lk = max_length(); when the lengths differ only masks and biases without a B and Lk
-  /// extent are accepted); its causal and key_lengths must be left unset (the cache decides
-  /// them). `logsumexp` (B, Hq, Lq) contiguous, or null.
+  /// bottom-right causal alignment per sequence, in one call through the kernels (ragged
+  /// sequences included). `options` may add a window, sink tokens, ALiBi slopes, a softcap,
+  /// learned sinks, a scale, a keep-mask and a bias (both broadcastable to (B, Hq, Lq, Lk),
+  /// Lk = max_length(), key j being cache row j of each sequence); its causal, key_lengths
+  /// and query_lengths must be left unset (the cache decides them). `logsumexp`
+  /// (B, Hq, Lq) contiguous, or null.
   void attend_into(const HeadsView<const compute_type>& q,  // (B, Hq, Lq, D)
                    const HeadsView<compute_type>& out,      // (B, Hq, Lq, Dv)
                    const AttentionOptions<compute_type>& options = {},
@@ -197,11 +199,12 @@ class KVCache {
     }
     if (out.heads != q.heads || out.length != q.length || out.dim != value_dim_)
       detail::throw_invalid_argument(function, shapes() + ": out must be (B, Hq, Lq, Dv)");
-    if (options.causal != Causal::none || !options.key_lengths.empty()) {
+    if (options.causal != Causal::none || !options.key_lengths.empty() ||
+        !options.query_lengths.empty()) {
       detail::throw_invalid_argument(
           function,
-          "options.causal and options.key_lengths must be unset: the cache applies "
-          "the bottom-right causal mask and its own lengths");
+          "options.causal, options.key_lengths and options.query_lengths must be unset: the "
+          "cache applies the bottom-right causal mask and its own lengths");
     }
     for (Index b = 0; b < batch_; ++b) {
       if (lengths_[static_cast<std::size_t>(b)] < q.length) {
@@ -214,36 +217,13 @@ class KVCache {
     }
     if (q.length == 0)
       return;
+    // One call: the mask aligns each sequence's diagonal to its own length (query i of b
+    // sees j <= lengths[b] - Lq + i), so ragged sequences run in parallel together.
     AttentionOptions<C> o = options;
     o.causal = Causal::bottom_right;
-    const Index length = max_length();
-    const bool ragged =
-        std::any_of(lengths_.begin(), lengths_.end(), [&](Index n) { return n != length; });
-    if (!ragged) {
-      run(q, keys_view(), values_view(), out, o, logsumexp);
-      return;
-    }
-    // Bottom-right alignment is per sequence (query i of b sees j <= lengths[b] - Lq + i), and
-    // Mask measures it from one Lk: attend sequence by sequence, each with its own Lk.
-    const auto broadcast_ok = [&](const auto& m) {
-      return m.empty() || (m.dims()[0] == 1 && m.dims()[3] == 1);
-    };
-    if (!broadcast_ok(options.keep_mask) || !broadcast_ok(options.bias)) {
-      detail::throw_invalid_argument(
-          function, "the sequences hold different numbers of tokens " + lengths_string() +
-                        ": keep_mask and bias must then have extent 1 in B and Lk");
-    }
-    for (Index b = 0; b < batch_; ++b) {
-      const auto one = [&](auto view) {
-        view.data += b * view.batch_stride;
-        view.batch = 1;
-        return view;
-      };
-      HeadsView<const S> k = one(keys_view()), v = one(values_view());
-      k.length = v.length = lengths_[static_cast<std::size_t>(b)];
-      run(one(q), k, v, one(out), o,
-          logsumexp != nullptr ? logsumexp + b * q.heads * q.length : nullptr);
-    }
+    if (std::any_of(lengths_.begin(), lengths_.end(), [&](Index n) { return n != max_length(); }))
+      o.key_lengths = lengths_;
+    run(q, keys_view(), values_view(), out, o, logsumexp);
   }
 
   /// attend_into() returning out (B, Hq, Lq, Dv); q is a rank-4 tensor (B, Hq, Lq, D).

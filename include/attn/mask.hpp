@@ -5,22 +5,29 @@
 //                 bottom-right (FlashAttention, KV-cache decoding: j <= i + Lk - Lq);
 //   window        (left, right), inclusive, -1 = unbounded (FlashAttention's convention);
 //   key lengths   per batch entry: keys j >= key_lengths[b] are padding;
+//   query lengths per batch entry: queries i >= query_lengths[b] are padding (they see no key);
+//   sink tokens   the first n keys of every sequence stay visible beside a window (StreamingLLM);
 //   keep-mask     boolean, broadcastable to (B, H, Lq, Lk); true = may attend (PyTorch SDPA);
 //   bias          additive, broadcastable to (B, H, Lq, Lk); -inf hides a key;
 //   ALiBi, softcap score modifiers (attn/score_modifiers.hpp), applied with the bias.
 //
-// Both the causal limit and the window are measured from the query's *diagonal*
-//   c(i) = i + offset,  offset = 0 for Causal::top_left, Lk - Lq otherwise,
-// so the window follows the causal alignment and is bottom-right aligned (as in
-// FlashAttention) when there is no causal mask. For one query row the causal limit, the
-// window and the key length leave a single interval of visible keys [first, last); the
-// keep-mask can only remove keys from it. Intervals move right as i grows, which is what
-// lets a tiled kernel classify a whole tile at once.
+// The causal limit, the window and ALiBi are measured from the query's *diagonal*, per
+// sequence:
+//   c_b(i) = i + offset_b,  offset_b = 0 for Causal::top_left, n_k(b) - n_q(b) otherwise,
+// with n_k(b) = key_lengths[b] (Lk when not given) and n_q(b) = query_lengths[b] (Lq), so the
+// window follows the causal alignment and is bottom-right aligned (as in FlashAttention) when
+// there is no causal mask, and the last real query of every sequence sits on its last real
+// key. For one query row the causal limit, the window and the key length leave one interval
+// of visible keys [first, last); sink tokens add [0, min(n, causal limit)); the keep-mask can
+// only remove keys. Intervals move right as i grows, which is what lets a tiled kernel
+// classify a whole tile at once. Learned sinks (one logit per query head) are not a mask:
+// the kernels add them to the softmax's denominator (docs/masks.md).
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -87,102 +94,174 @@ enum class TileVisibility : std::uint8_t {
   partial,  ///< evaluate the mask element by element
 };
 
+/// Every part of a mask, as the options of an attention call give it (AttentionOptions
+/// derives from this). All parts are optional; an empty vector or view means "not given".
+template <class T>
+struct MaskOptions {
+  Causal causal = Causal::none;      ///< causal mask and its alignment
+  Window window{};                   ///< sliding window (left, right); -1 = unbounded
+  std::vector<Index> key_lengths;    ///< (B) valid keys per sequence; empty = all Lk
+  std::vector<Index> query_lengths;  ///< (B) valid queries per sequence; empty = all Lq
+  /// The first `sink_tokens` keys of every sequence stay visible to every query whatever the
+  /// window (the causal limit and the key length still apply): StreamingLLM's attention
+  /// sinks beside a sliding window.
+  Index sink_tokens = 0;
+  Broadcast<bool> keep_mask;  ///< broadcastable to (B, Hq, Lq, Lk); true = may attend
+  Broadcast<T> bias;          ///< broadcastable to (B, Hq, Lq, Lk); added to scores
+  /// (Hq) ALiBi slopes, e.g. alibi_slopes<T>(Hq); empty = no ALiBi. Adds
+  /// -slope[h] * |c_b(i) - j| (attn/score_modifiers.hpp).
+  std::vector<T> alibi_slopes;
+  /// Logit soft-capping: scores become softcap * tanh(scores / softcap) before the ALiBi
+  /// term, the bias and the mask; must be > 0. Gemma 2 uses 50.
+  std::optional<T> softcap;
+  /// (Hq) learned attention sinks (gpt-oss), one finite logit per query head: the softmax
+  /// runs over the visible scores and the sink, whose column is then dropped, so the weights
+  /// sum to less than 1 and the log-sum-exp includes the sink. Not scaled, capped or biased.
+  std::vector<T> sinks;
+};
+
 /// A mask description resolved for one problem of shape (B, H, Lq, Lk) and validated.
 template <class T>
 class Mask {
  public:
+  /// The visible keys of one query row apart from the keep-mask: at most two disjoint
+  /// intervals [first, last), sorted (the sink tokens, then the causal/window interval).
+  struct KeyIntervals {
+    std::array<std::array<Index, 2>, 2> interval{};
+    std::size_t count = 0;
+  };
+
   /// Validates every part against (B, H, Lq, Lk); `function` names the caller in errors.
   Mask(const char* function, Index batch, Index heads, Index q_length, Index k_length,
-       Causal causal, Window window, const std::vector<Index>& key_lengths,
-       Broadcast<bool> keep_mask, Broadcast<T> bias, const std::vector<T>& alibi_slopes = {},
-       std::optional<T> softcap = std::nullopt)
+       const MaskOptions<T>& options)
       : batch_(batch),
         heads_(heads),
         q_length_(q_length),
         k_length_(k_length),
-        causal_(causal),
-        window_(window),
-        key_lengths_(key_lengths),
-        keep_mask_(keep_mask),
-        bias_(bias),
-        alibi_slopes_(alibi_slopes),
-        softcap_(softcap) {
-    if (!alibi_slopes.empty() && static_cast<Index>(alibi_slopes.size()) != heads) {
+        causal_(options.causal),
+        window_(options.window),
+        key_lengths_(options.key_lengths),
+        query_lengths_(options.query_lengths),
+        sink_tokens_(options.sink_tokens),
+        keep_mask_(options.keep_mask),
+        bias_(options.bias),
+        alibi_slopes_(options.alibi_slopes),
+        softcap_(options.softcap),
+        sinks_(options.sinks) {
+    check_per_head(function, "alibi_slopes", alibi_slopes_);
+    check_per_head(function, "sinks", sinks_);
+    if (softcap_ && !(std::isfinite(*softcap_) && *softcap_ > T(0))) {
       detail::throw_invalid_argument(
-          function, "alibi_slopes has " + std::to_string(alibi_slopes.size()) +
-                        " entries but there are " + std::to_string(heads) + " query heads");
+          function, "softcap is " + std::to_string(*softcap_) + ": must be finite and > 0");
     }
-    for (std::size_t h = 0; h < alibi_slopes.size(); ++h) {
-      if (!std::isfinite(alibi_slopes[h])) {
-        detail::throw_invalid_argument(function, "alibi_slopes[" + std::to_string(h) + "] is " +
-                                                     std::to_string(alibi_slopes[h]) +
-                                                     ": must be finite");
-      }
-    }
-    if (softcap && !(std::isfinite(*softcap) && *softcap > T(0))) {
-      detail::throw_invalid_argument(
-          function, "softcap is " + std::to_string(*softcap) + ": must be finite and > 0");
-    }
-    if (window.left < -1 || window.right < -1) {
-      detail::throw_invalid_argument(function, "window is (" + std::to_string(window.left) + ", " +
-                                                   std::to_string(window.right) +
+    if (window_.left < -1 || window_.right < -1) {
+      detail::throw_invalid_argument(function, "window is (" + std::to_string(window_.left) + ", " +
+                                                   std::to_string(window_.right) +
                                                    "): each side must be >= -1 (-1 = unbounded)");
     }
-    if (!key_lengths.empty()) {
-      if (static_cast<Index>(key_lengths.size()) != batch) {
-        detail::throw_invalid_argument(
-            function, "key_lengths has " + std::to_string(key_lengths.size()) +
-                          " entries but the batch size is " + std::to_string(batch));
-      }
-      for (std::size_t b = 0; b < key_lengths.size(); ++b) {
-        if (key_lengths[b] < 0 || key_lengths[b] > k_length) {
-          detail::throw_invalid_argument(
-              function, "key_lengths[" + std::to_string(b) + "] is " +
-                            std::to_string(key_lengths[b]) +
-                            ": must lie in [0, Lk] with Lk = " + std::to_string(k_length));
-        }
-      }
+    if (sink_tokens_ < 0) {
+      detail::throw_invalid_argument(
+          function, "sink_tokens is " + std::to_string(sink_tokens_) + ": must be >= 0");
     }
+    check_lengths(function, "key_lengths", key_lengths_, "Lk", k_length);
+    check_lengths(function, "query_lengths", query_lengths_, "Lq", q_length);
     keep_strides_ = broadcast_strides(function, "keep_mask", keep_mask_);
     bias_strides_ = broadcast_strides(function, "bias", bias_);
-    offset_ = causal == Causal::top_left ? 0 : k_length - q_length;
   }
+
+  /// The same from the parts of a mask without per-sequence query lengths, sink tokens or
+  /// learned sinks.
+  Mask(const char* function, Index batch, Index heads, Index q_length, Index k_length,
+       Causal causal, Window window, const std::vector<Index>& key_lengths,
+       Broadcast<bool> keep_mask, Broadcast<T> bias, const std::vector<T>& alibi_slopes = {},
+       std::optional<T> softcap = std::nullopt)
+      : Mask(function, batch, heads, q_length, k_length,
+             options_of(causal, window, key_lengths, keep_mask, bias, alibi_slopes, softcap)) {}
 
   bool has_keep_mask() const { return !keep_mask_.empty(); }
   bool has_bias() const { return !bias_.empty(); }
+  bool has_sink_tokens() const { return sink_tokens_ > 0; }
+  Index sink_tokens() const { return sink_tokens_; }
   /// True when the scores of visible keys change: a bias, ALiBi or soft-capping.
   bool modifies_scores() const { return has_bias() || !alibi_slopes_.empty() || softcap_; }
   /// True when nothing is masked and nothing is changed: every key is visible.
   bool is_trivial() const {
     return causal_ == Causal::none && window_.left < 0 && window_.right < 0 &&
-           key_lengths_.empty() && !has_keep_mask() && !modifies_scores();
+           key_lengths_.empty() && query_lengths_.empty() && !has_keep_mask() && !modifies_scores();
+  }
+
+  /// The learned sink logit of query head h, or null when there are none.
+  const T* sink(Index h) const {
+    return sinks_.empty() ? nullptr : &sinks_[static_cast<std::size_t>(h)];
+  }
+
+  /// Valid keys and queries of sequence b: n_k(b) and n_q(b).
+  Index key_length(Index b) const {
+    return key_lengths_.empty() ? k_length_ : key_lengths_[static_cast<std::size_t>(b)];
+  }
+  Index query_length(Index b) const {
+    return query_lengths_.empty() ? q_length_ : query_lengths_[static_cast<std::size_t>(b)];
+  }
+
+  /// The diagonal c_b(i) of query i of sequence b (ALiBi's zero, the causal limit).
+  Index diagonal(Index b, Index i) const {
+    return causal_ == Causal::top_left ? i : i + key_length(b) - query_length(b);
   }
 
   /// First and one-past-last key visible to query i of batch b by the causal limit, the
-  /// window and the key length (the keep-mask may hide more); both lie in [0, Lk], and
-  /// first == last when none is visible.
+  /// window and the key length (sink tokens and the keep-mask aside); both lie in [0, Lk],
+  /// and first == last when none is visible (always for a padding query).
   std::array<Index, 2> key_interval(Index b, Index i) const {
-    const Index diagonal = i + offset_;
-    Index first = 0;
-    Index last = key_lengths_.empty() ? k_length_ : key_lengths_[static_cast<std::size_t>(b)];
+    if (i >= query_length(b))
+      return {0, 0};
+    const Index c = diagonal(b, i), n = key_length(b);
+    Index first = 0, last = n;
     if (causal_ != Causal::none)
-      last = std::min(last, diagonal + 1);
+      last = std::min(last, c + 1);
     if (window_.right >= 0)
-      last = std::min(last, diagonal + window_.right + 1);
+      last = std::min(last, c + window_.right + 1);
     if (window_.left >= 0)
-      first = std::clamp(diagonal - window_.left, Index(0), k_length_);
+      first = std::clamp(c - window_.left, Index(0), n);
     return {first, std::max(first, last)};
   }
 
-  /// [first, last) covering every key visible (by the causal limit, the window and the key
-  /// length) to some query in [i0, i1) of batch b; first == last when there is none.
+  /// One-past-last sink token visible to query i of batch b: [0, that) is visible whatever
+  /// the window; 0 without sink tokens.
+  Index sink_end(Index b, Index i) const {
+    if (sink_tokens_ == 0 || i >= query_length(b))
+      return 0;
+    Index last = std::min(sink_tokens_, key_length(b));
+    if (causal_ != Causal::none)
+      last = std::min(last, diagonal(b, i) + 1);
+    return std::max(last, Index(0));
+  }
+
+  /// Every key visible to query i of batch b apart from the keep-mask.
+  KeyIntervals key_intervals(Index b, Index i) const {
+    KeyIntervals r;
+    const auto [first, last] = key_interval(b, i);
+    const Index sinks = sink_end(b, i);
+    if (sinks > 0 && first <= sinks && first < last) {
+      r.interval[0] = {0, std::max(sinks, last)};  // the two touch or overlap
+      r.count = 1;
+      return r;
+    }
+    if (sinks > 0)
+      r.interval[r.count++] = {0, sinks};
+    if (first < last)
+      r.interval[r.count++] = {first, last};
+    return r;
+  }
+
+  /// [first, last) covering every key visible (apart from the keep-mask) to some query in
+  /// [i0, i1) of batch b; first == last == 0 when there is none.
   std::array<Index, 2> key_range(Index b, Index i0, Index i1) const {
     Index first = k_length_, last = 0;
-    for (Index i = i0; i < i1; ++i) {
-      const auto [lo, hi] = key_interval(b, i);
-      if (lo < hi) {
-        first = std::min(first, lo);
-        last = std::max(last, hi);
+    for (Index i = i0; i < std::min(i1, query_length(b)); ++i) {
+      const KeyIntervals keys = key_intervals(b, i);
+      for (std::size_t n = 0; n < keys.count; ++n) {
+        first = std::min(first, keys.interval[n][0]);
+        last = std::max(last, keys.interval[n][1]);
       }
     }
     return first < last ? std::array<Index, 2>{first, last} : std::array<Index, 2>{0, 0};
@@ -200,8 +279,11 @@ class Mask {
 
   /// Whether key j is visible to query i of batch b, head h (the bias aside).
   bool visible(Index b, Index h, Index i, Index j) const {
-    const auto [first, last] = key_interval(b, i);
-    return j >= first && j < last && keep(b, h, i, j);
+    const KeyIntervals keys = key_intervals(b, i);
+    bool inside = false;
+    for (std::size_t n = 0; n < keys.count; ++n)
+      inside = inside || (j >= keys.interval[n][0] && j < keys.interval[n][1]);
+    return inside && keep(b, h, i, j);
   }
 
   /// Classifies the tile [i0, i1) x [j0, j1) of batch b, head h.
@@ -209,13 +291,15 @@ class Mask {
     bool any_visible = false;
     bool all_visible = true;
     for (Index i = i0; i < i1; ++i) {
-      const auto [first, last] = key_interval(b, i);
-      const Index lo = std::max(first, j0);
-      const Index hi = std::min(last, j1);
-      if (lo < hi)
-        any_visible = true;
-      if (lo != j0 || hi != j1)
-        all_visible = false;
+      const KeyIntervals keys = key_intervals(b, i);
+      bool row_covers = false;
+      for (std::size_t n = 0; n < keys.count; ++n) {
+        const Index lo = std::max(keys.interval[n][0], j0);
+        const Index hi = std::min(keys.interval[n][1], j1);
+        any_visible = any_visible || lo < hi;
+        row_covers = row_covers || (lo == j0 && hi == j1);  // disjoint: one must cover it all
+      }
+      all_visible = all_visible && row_covers;
     }
     if (!any_visible)
       return TileVisibility::hidden;
@@ -228,42 +312,103 @@ class Mask {
   template <class Derived>
   void apply(Index b, Index h, Index i0, Index j0, Eigen::MatrixBase<Derived>& scores) const {
     constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+    const Index cols = scores.cols();
     for (Index r = 0; r < scores.rows(); ++r) {
       const Index i = i0 + r;
-      const auto [first, last] = key_interval(b, i);
-      const Index lo = std::clamp(first - j0, Index(0), scores.cols());
-      const Index hi = std::clamp(last - j0, lo, scores.cols());
-      for (Index c = 0; c < lo; ++c)
-        scores(r, c) = minus_inf;
-      for (Index c = hi; c < scores.cols(); ++c)
-        scores(r, c) = minus_inf;
-      if (softcap_) {
-        const T cap = *softcap_, inverse = T(1) / *softcap_;
-        for (Index c = lo; c < hi; ++c)
-          scores(r, c) = cap * std::tanh(scores(r, c) * inverse);
-      }
-      if (!alibi_slopes_.empty()) {
-        const T slope = alibi_slopes_[static_cast<std::size_t>(h)];
-        const Index diagonal = i + offset_;
-        for (Index c = lo; c < hi; ++c)
-          scores(r, c) -= slope * static_cast<T>(std::abs(diagonal - (j0 + c)));
-      }
-      if (has_bias()) {
-        for (Index c = lo; c < hi; ++c)
-          scores(r, c) += bias(b, h, i, j0 + c);
-      }
-      // After the bias: a key the keep-mask hides is excluded whatever its bias or score
-      // (before, -inf + a bias of +inf or NaN made the row NaN).
-      if (has_keep_mask()) {
-        for (Index c = lo; c < hi; ++c) {
-          if (!keep(b, h, i, j0 + c))
-            scores(r, c) = minus_inf;
-        }
+      const KeyIntervals keys = key_intervals(b, i);
+      Index hidden_from = 0;  // the columns before each interval are hidden
+      for (std::size_t n = 0; n <= keys.count; ++n) {
+        const Index lo =
+            n < keys.count ? std::clamp(keys.interval[n][0] - j0, Index(0), cols) : cols;
+        const Index hi = n < keys.count ? std::clamp(keys.interval[n][1] - j0, lo, cols) : cols;
+        for (Index c = hidden_from; c < lo; ++c)
+          scores(r, c) = minus_inf;
+        hidden_from = hi;
+        if (n < keys.count)
+          modify_scores(b, h, i, j0, lo, hi, scores.row(r));
       }
     }
   }
 
  private:
+  static MaskOptions<T> options_of(Causal causal, Window window,
+                                   const std::vector<Index>& key_lengths, Broadcast<bool> keep_mask,
+                                   Broadcast<T> bias, const std::vector<T>& alibi_slopes,
+                                   std::optional<T> softcap) {
+    MaskOptions<T> o;
+    o.causal = causal;
+    o.window = window;
+    o.key_lengths = key_lengths;
+    o.keep_mask = keep_mask;
+    o.bias = bias;
+    o.alibi_slopes = alibi_slopes;
+    o.softcap = softcap;
+    return o;
+  }
+
+  /// softcap, then ALiBi, then the bias, then the keep-mask on columns [lo, hi) of one row.
+  template <class Row>
+  void modify_scores(Index b, Index h, Index i, Index j0, Index lo, Index hi, Row&& row) const {
+    constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+    if (softcap_) {
+      const T cap = *softcap_, inverse = T(1) / *softcap_;
+      for (Index c = lo; c < hi; ++c)
+        row(c) = cap * std::tanh(row(c) * inverse);
+    }
+    if (!alibi_slopes_.empty()) {
+      const T slope = alibi_slopes_[static_cast<std::size_t>(h)];
+      const Index c_i = diagonal(b, i);
+      for (Index c = lo; c < hi; ++c)
+        row(c) -= slope * static_cast<T>(std::abs(c_i - (j0 + c)));
+    }
+    if (has_bias()) {
+      for (Index c = lo; c < hi; ++c)
+        row(c) += bias(b, h, i, j0 + c);
+    }
+    // After the bias: a key the keep-mask hides is excluded whatever its bias or score
+    // (before, -inf + a bias of +inf or NaN made the row NaN).
+    if (has_keep_mask()) {
+      for (Index c = lo; c < hi; ++c) {
+        if (!keep(b, h, i, j0 + c))
+          row(c) = minus_inf;
+      }
+    }
+  }
+
+  void check_per_head(const char* function, const char* name, const std::vector<T>& values) const {
+    if (!values.empty() && static_cast<Index>(values.size()) != heads_) {
+      detail::throw_invalid_argument(
+          function, std::string(name) + " has " + std::to_string(values.size()) +
+                        " entries but there are " + std::to_string(heads_) + " query heads");
+    }
+    for (std::size_t h = 0; h < values.size(); ++h) {
+      if (!std::isfinite(values[h])) {
+        detail::throw_invalid_argument(function, std::string(name) + "[" + std::to_string(h) +
+                                                     "] is " + std::to_string(values[h]) +
+                                                     ": must be finite");
+      }
+    }
+  }
+
+  void check_lengths(const char* function, const char* name, const std::vector<Index>& lengths,
+                     const char* extent_name, Index extent) const {
+    if (lengths.empty())
+      return;
+    if (static_cast<Index>(lengths.size()) != batch_) {
+      detail::throw_invalid_argument(
+          function, std::string(name) + " has " + std::to_string(lengths.size()) +
+                        " entries but the batch size is " + std::to_string(batch_));
+    }
+    for (std::size_t b = 0; b < lengths.size(); ++b) {
+      if (lengths[b] < 0 || lengths[b] > extent) {
+        detail::throw_invalid_argument(
+            function, std::string(name) + "[" + std::to_string(b) + "] is " +
+                          std::to_string(lengths[b]) + ": must lie in [0, " + extent_name +
+                          "] with " + extent_name + " = " + std::to_string(extent));
+      }
+    }
+  }
+
   template <class U>
   std::array<Index, 4> broadcast_strides(const char* function, const char* name,
                                          const Broadcast<U>& view) const {
@@ -295,13 +440,14 @@ class Mask {
   Index batch_, heads_, q_length_, k_length_;
   Causal causal_;
   Window window_;
-  std::vector<Index> key_lengths_;
+  std::vector<Index> key_lengths_, query_lengths_;  // (B) or empty
+  Index sink_tokens_;
   Broadcast<bool> keep_mask_;
   Broadcast<T> bias_;
   std::vector<T> alibi_slopes_;  // (H) or empty
   std::optional<T> softcap_;
+  std::vector<T> sinks_;  // (H) or empty
   std::array<Index, 4> keep_strides_{}, bias_strides_{};
-  Index offset_ = 0;
 };
 
 }  // namespace attn

@@ -367,11 +367,12 @@ class MultiHeadAttention {
                             {cache.batch(), cache.kv_heads(), cache.dim(), cache.value_dim()}) +
                         ": it must be " + detail::shape_string({batch, kv_heads, d, d}));
     }
-    if (attention.causal != Causal::none || !attention.key_lengths.empty()) {
+    if (attention.causal != Causal::none || !attention.key_lengths.empty() ||
+        !attention.query_lengths.empty()) {
       detail::throw_invalid_argument(
           function,
-          "attention.causal and attention.key_lengths must be unset: the cache "
-          "applies the bottom-right causal mask and its own lengths");
+          "attention.causal, attention.key_lengths and attention.query_lengths must be unset: "
+          "the cache applies the bottom-right causal mask and its own lengths");
     }
     // pass 1: q | k | v of the new tokens, one GEMM into (B, Lnew, E + 2*Ekv).
     const Index width = e + 2 * ekv;
@@ -399,6 +400,53 @@ class MultiHeadAttention {
     Tensor<T, 3> output(batch, length, e);
     out_proj_.apply_into(ConstRowsMap<T>(merged.data(), batch * length, e, Eigen::OuterStride<>(e)),
                          RowsMap<T>(output.data(), batch * length, e, Eigen::OuterStride<>(e)));
+    return output;
+  }
+
+  /// Self-attention over packed sequences: x (T, E) holds B sequences one after another,
+  /// sequence b being rows [cu_seqlens[b], cu_seqlens[b + 1]) (FlashAttention's
+  /// convention). One fused QKV GEMM over all T rows, attention per sequence through
+  /// scaled_dot_product_attention_varlen_into (no token sees another sequence's), one output
+  /// GEMM. Returns (T, E). Sequence b's rows equal forward() of that sequence alone (with the
+  /// same `attention` options: e.g. Causal::top_left for forward()'s is_causal). `attention`
+  /// may set causal, window, sink tokens, ALiBi, softcap, sinks, scale and the kernel; no
+  /// keep-mask, bias or lengths. Needs kdim = vdim = E and neither add_bias_kv nor
+  /// add_zero_attn.
+  Tensor<T, 2> forward_packed(const Tensor<T, 2>& x,                 // (T, E)
+                              const std::vector<Index>& cu_seqlens,  // (B + 1)
+                              const AttentionOptions<C>& attention = {}) const {
+    constexpr const char* function = "MultiHeadAttention::forward_packed";
+    const Index tokens = x.dimension(0);
+    const Index e = config_.embed_dim, ekv = kv_width(), d = head_dim();
+    const Index heads = config_.num_heads, kv_heads = config_.num_kv_heads;
+    if (!is_same_embed_dim() || config_.add_bias_kv || config_.add_zero_attn) {
+      detail::throw_invalid_argument(
+          function, "needs kdim = vdim = embed_dim and neither add_bias_kv nor add_zero_attn");
+    }
+    if (x.dimension(1) != e) {
+      detail::throw_invalid_argument(
+          function, "x is " + detail::shape_string({tokens, x.dimension(1)}) +
+                        " but embed_dim is " + std::to_string(e) + ": widths differ");
+    }
+    const Index width = e + 2 * ekv;
+    Matrix<T> qkv(tokens, width);  // (T, E + 2*Ekv): q | k | v of every token
+    const Linear<T>& in = in_proj_.fused_linear();
+    detail::linear_into<T>(
+        ConstRowsMap<T>(x.data(), tokens, e, Eigen::OuterStride<>(e)),
+        ConstRowsMap<T>(in.weight().data(), in.weight().rows(), in.weight().cols(),
+                        Eigen::OuterStride<>(in.weight().outerStride())),
+        in.has_bias() ? in.bias().data() : nullptr,
+        RowsMap<T>(qkv.data(), tokens, width, Eigen::OuterStride<>(width)));
+    Matrix<T> merged(tokens, e);  // (T, H, D) = (T, E)
+    const auto all = [&](const T* data, Index h) {
+      return HeadsView<const T>{data, 1, h, tokens, d, 0, d, width};
+    };
+    scaled_dot_product_attention_varlen_into<T>(
+        all(qkv.data(), heads), all(qkv.data() + e, kv_heads), all(qkv.data() + e + ekv, kv_heads),
+        blhd_view(merged.data(), 1, tokens, heads, d), cu_seqlens, cu_seqlens, attention);
+    Tensor<T, 2> output(tokens, e);
+    out_proj_.apply_into(ConstRowsMap<T>(merged.data(), tokens, e, Eigen::OuterStride<>(e)),
+                         RowsMap<T>(output.data(), tokens, e, Eigen::OuterStride<>(e)));
     return output;
   }
 

@@ -38,20 +38,12 @@ inline const char* algorithm_name(Algorithm algorithm) {
   return "unknown";
 }
 
+/// Everything about an attention call except the tensors: the mask (MaskOptions, in
+/// attn/mask.hpp: causal, window, key and query lengths, sink tokens, keep-mask, bias, ALiBi,
+/// softcap, learned sinks), the scale and the kernel.
 template <class T>
-struct AttentionOptions {
-  std::optional<T> scale;          ///< multiplies q k^T; default 1/sqrt(D)
-  Causal causal = Causal::none;    ///< causal mask and its alignment
-  Window window{};                 ///< sliding window (left, right); -1 = unbounded
-  std::vector<Index> key_lengths;  ///< (B) valid keys per batch entry; empty = all
-  Broadcast<bool> keep_mask;       ///< broadcastable to (B, Hq, Lq, Lk); true = may attend
-  Broadcast<T> bias;               ///< broadcastable to (B, Hq, Lq, Lk); added to scores
-  /// (Hq) ALiBi slopes, e.g. alibi_slopes<T>(Hq); empty = no ALiBi. Adds
-  /// -slope[h] * |i + offset - j| (attn/score_modifiers.hpp).
-  std::vector<T> alibi_slopes;
-  /// Logit soft-capping: scores become softcap * tanh(scores / softcap) before the ALiBi
-  /// term, the bias and the mask; must be > 0. Gemma 2 uses 50.
-  std::optional<T> softcap;
+struct AttentionOptions : MaskOptions<T> {
+  std::optional<T> scale;  ///< multiplies q k^T; default 1/sqrt(D)
   Algorithm algorithm = Algorithm::automatic;
   /// Query rows per work item of chunked and flash; 0 = the plan's default (attn/plan.hpp).
   Index query_tile = 0;

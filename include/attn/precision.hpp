@@ -88,11 +88,11 @@ class WidenedHead {
       return view.head(b, h);
     } else {
       if (b != batch_ || h != head_) {
-        rows_as<T, S>(view.head(b, h), 0, view.length, buffer_);
+        rows_as<T, S>(view.head(b, h), 0, view.rows(b), buffer_);
         batch_ = b;
         head_ = h;
       }
-      return HeadMatrix<const T>(buffer_.data(), view.length, view.dim,
+      return HeadMatrix<const T>(buffer_.data(), view.rows(b), view.dim,
                                  Eigen::OuterStride<>(view.dim));
     }
   }

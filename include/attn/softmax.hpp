@@ -77,6 +77,32 @@ T softmax_in_place(T* row, Index n) {
   return max + std::log(sum);
 }
 
+/// Softmax of the n values at `row` and one more logit, `sink`, whose probability is then
+/// dropped (a learned attention sink): the row sums to 1 - p(sink). Returns the log-sum-exp
+/// of all n + 1; a row of only -inf becomes zeros and returns the sink. NaN propagates.
+template <class T>
+T softmax_in_place(T* row, Index n, T sink) {
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>> x(row, n);
+  const T row_max = n == 0 ? minus_inf : x.template maxCoeff<Eigen::PropagateNaN>();
+  if (row_max == minus_inf) {
+    x.setZero();
+    return sink;
+  }
+  const T max = std::isnan(row_max) || row_max > sink ? row_max : sink;
+  x = (x - max).exp();
+  x -= x.min(flush_below<T>());
+  const T sum = x.sum() + std::exp(sink - max);
+  x *= T(1) / sum;
+  return max + std::log(sum);
+}
+
+/// softmax_in_place with a sink when `sink` is not null.
+template <class T>
+T softmax_in_place(T* row, Index n, const T* sink) {
+  return sink == nullptr ? softmax_in_place(row, n) : softmax_in_place(row, n, *sink);
+}
+
 /// Log-sum-exp of the n contiguous values at `row`, without changing them.
 template <class T>
 T logsumexp(const T* row, Index n) {

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include <Eigen/Core>
 #include <unsupported/Eigen/CXX11/Tensor>
@@ -60,26 +61,76 @@ HeadMatrixT middle_rows(HeadMatrixT m, Index first, Index count) {
 
 /// A (B, H, L, D) view over strided memory: free strides for B, H and L, unit stride for D.
 /// `T` is `const S` for inputs and `S` for outputs. Non-owning: the memory must outlive it.
+///
+/// A packed view (packed_view()) holds B sequences of different lengths one after another
+/// in (T, H, D) memory: `row_offsets` (B + 1 entries, FlashAttention's cu_seqlens) gives
+/// where each starts, sequence b has rows(b) rows and `length` is the longest.
 template <class T>
 struct HeadsView {
   T* data = nullptr;
   Index batch = 0, heads = 0, length = 0, dim = 0;          // (B, H, L, D)
   Index batch_stride = 0, head_stride = 0, row_stride = 0;  // in elements
+  const Index* row_offsets = nullptr;                       // (B + 1), packed views only
 
-  /// The (L, D) matrix of batch b, head h.
+  /// Rows of sequence b: `length`, or its own length in a packed view.
+  Index rows(Index b) const {
+    return row_offsets == nullptr ? length : row_offsets[b + 1] - row_offsets[b];
+  }
+
+  /// The (rows(b), D) matrix of batch b, head h.
   HeadMatrix<T> head(Index b, Index h) const {
     ATTN_ASSERT(b >= 0 && b < batch && h >= 0 && h < heads);
-    return HeadMatrix<T>(data + b * batch_stride + h * head_stride, length, dim,
-                         Eigen::OuterStride<>(row_stride));
+    const Index first = row_offsets == nullptr ? b * batch_stride : row_offsets[b] * row_stride;
+    // No arithmetic on the null data of an empty view (e.g. a (1, H, 0, D) sequence).
+    T* base = data == nullptr ? nullptr : data + first + h * head_stride;
+    return HeadMatrix<T>(base, rows(b), dim, Eigen::OuterStride<>(row_stride));
   }
 
   std::array<Index, 4> shape() const { return {batch, heads, length, dim}; }
 
   /// A read-only view of the same memory.
   operator HeadsView<const T>() const {  // NOLINT(google-explicit-constructor): const view
-    return {data, batch, heads, length, dim, batch_stride, head_stride, row_stride};
+    return {data, batch, heads, length, dim, batch_stride, head_stride, row_stride, row_offsets};
   }
 };
+
+/// Packed (T, H, D) memory as a view of B = offsets.size() - 1 sequences; sequence b is rows
+/// [offsets[b], offsets[b + 1]). `offsets` must outlive the view; it is not validated here
+/// (scaled_dot_product_attention_varlen_into does).
+template <class T>
+HeadsView<T> packed_view(T* data, Index heads, Index dim, const std::vector<Index>& offsets) {
+  Index longest = 0;
+  for (std::size_t b = 0; b + 1 < offsets.size(); ++b)
+    longest = std::max(longest, offsets[b + 1] - offsets[b]);
+  const Index batch = offsets.empty() ? 0 : static_cast<Index>(offsets.size()) - 1;
+  return {data, batch, heads, longest, dim, 0, dim, heads * dim, offsets.data()};
+}
+
+namespace detail {
+
+/// Where the kernels write per-row values (the log-sum-exp): (B, H, L) contiguous for padded
+/// problems, (H, T) for packed ones (FlashAttention's varlen layout); null = not wanted.
+template <class T>
+struct RowValues {
+  T* data = nullptr;
+  Index batch_stride = 0, head_stride = 0;
+  const Index* row_offsets = nullptr;  // (B + 1) for packed problems
+
+  /// The row values of (b, h), row i at [i].
+  T* head(Index b, Index h) const {
+    if (data == nullptr)
+      return nullptr;
+    return data + (row_offsets == nullptr ? b * batch_stride : row_offsets[b]) + h * head_stride;
+  }
+};
+
+/// (B, H, L) contiguous.
+template <class T>
+RowValues<T> padded_rows(T* data, Index heads, Index length) {
+  return {data, heads * length, length, nullptr};
+}
+
+}  // namespace detail
 
 /// View of contiguous (B, H, L, D) memory (PyTorch's SDPA layout).
 template <class T>

@@ -41,7 +41,8 @@ Result<R> attention(const Problem& p, const std::vector<long double>& q,
             x = cap * std::tanh(x / cap);
           }
           if (!p.alibi_slopes.empty()) {
-            const Index distance = p.diagonal(i) > j ? p.diagonal(i) - j : j - p.diagonal(i);
+            const Index c = p.diagonal(b, i);
+            const Index distance = c > j ? c - j : j - c;
             x -= static_cast<R>(p.alibi_slopes[static_cast<std::size_t>(h)]) *
                  static_cast<R>(distance);
           }
@@ -55,9 +56,16 @@ Result<R> attention(const Problem& p, const std::vector<long double>& q,
         }
         if (nan)
           m = std::numeric_limits<R>::quiet_NaN();
-        if (!any || m == minus_inf)
-          continue;  // sees no key: zeros, lse -inf
-        R sum = 0;
+        const bool with_sink = !p.sinks.empty();
+        const R sink = with_sink ? static_cast<R>(p.sinks[static_cast<std::size_t>(h)]) : R(0);
+        if (!any || m == minus_inf) {  // sees no key: zeros, lse -inf (the sink with one)
+          if (with_sink)
+            r.lse[static_cast<std::size_t>(row)] = sink;
+          continue;
+        }
+        if (with_sink && sink > m)
+          m = sink;
+        R sum = with_sink ? std::exp(sink - m) : R(0);
         for (Index j = 0; j < p.k_length; ++j) {
           if (seen[static_cast<std::size_t>(j)])
             sum += std::exp(s[static_cast<std::size_t>(j)] - m);

@@ -274,38 +274,56 @@ def build_softmax():
 # sdpa reference, implementation 1: vectorised torch float64 (stored)
 # ---------------------------------------------------------------------------
 
-def visibility_torch(B, Hq, Lq, Lk, causal, window, key_lengths, keep_mask):
-    i = torch.arange(Lq).view(Lq, 1)
-    j = torch.arange(Lk).view(1, Lk)
-    off = 0 if causal == "top_left" else Lk - Lq
-    c = i + off
+def sequence_lengths(B, Lq, Lk, key_lengths, query_lengths):
+    """n_k(b) and n_q(b): the given lengths, or the padded extents."""
+    nk = [Lk] * B if key_lengths is None else list(key_lengths)
+    nq = [Lq] * B if query_lengths is None else list(query_lengths)
+    return nk, nq
+
+
+def diagonals_torch(B, Lq, Lk, causal, key_lengths, query_lengths):
+    """c_b(i) as a (B, 1, Lq, 1) tensor: i, or i + n_k(b) - n_q(b) unless top-left."""
+    nk, nq = sequence_lengths(B, Lq, Lk, key_lengths, query_lengths)
+    i = torch.arange(Lq).view(1, 1, Lq, 1)
+    if causal == "top_left":
+        return i.expand(B, 1, Lq, 1)
+    off = torch.tensor([nk[b] - nq[b] for b in range(B)]).view(B, 1, 1, 1)
+    return i + off
+
+
+def visibility_torch(B, Hq, Lq, Lk, causal, window, key_lengths, keep_mask,
+                     query_lengths=None, sink_tokens=0):
+    j = torch.arange(Lk).view(1, 1, 1, Lk)
+    c = diagonals_torch(B, Lq, Lk, causal, key_lengths, query_lengths)
+    nk, nq = sequence_lengths(B, Lq, Lk, key_lengths, query_lengths)
     vis = torch.ones(B, Hq, Lq, Lk, dtype=torch.bool)
-    if key_lengths is not None:
-        kl = torch.tensor(key_lengths).view(B, 1, 1, 1)
-        vis = vis & (j.view(1, 1, 1, Lk) < kl)
+    vis = vis & (j < torch.tensor(nk).view(B, 1, 1, 1))
+    vis = vis & (torch.arange(Lq).view(1, 1, Lq, 1) < torch.tensor(nq).view(B, 1, 1, 1))
     if causal != "none":
         vis = vis & (j <= c)
     left, right = window
+    in_window = torch.ones(B, Hq, Lq, Lk, dtype=torch.bool)
     if left >= 0:
-        vis = vis & (j >= c - left)
+        in_window = in_window & (j >= c - left)
     if right >= 0:
-        vis = vis & (j <= c + right)
+        in_window = in_window & (j <= c + right)
+    vis = vis & (in_window | (j < sink_tokens))  # sink tokens are exempt from the window
     if keep_mask is not None:
         vis = vis & torch.from_numpy(np.ascontiguousarray(keep_mask))
     return vis
 
 
-def alibi_torch(slopes, Hq, Lq, Lk, causal):
-    """The explicit ALiBi bias tensor (1, Hq, Lq, Lk): -slope[h] * |i + off - j|."""
-    off = 0 if causal == "top_left" else Lk - Lq
-    i = torch.arange(Lq, dtype=torch.float64).view(Lq, 1)
-    j = torch.arange(Lk, dtype=torch.float64).view(1, Lk)
-    distance = (i + off - j).abs()
+def alibi_torch(slopes, B, Hq, Lq, Lk, causal, key_lengths=None, query_lengths=None):
+    """The explicit ALiBi bias tensor (B, Hq, Lq, Lk): -slope[h] * |c_b(i) - j|."""
+    c = diagonals_torch(B, Lq, Lk, causal, key_lengths, query_lengths).to(torch.float64)
+    j = torch.arange(Lk, dtype=torch.float64).view(1, 1, 1, Lk)
+    distance = (c - j).abs()
     return -torch.tensor(slopes, dtype=torch.float64).view(1, Hq, 1, 1) * distance
 
 
 def sdpa_torch(q, k, v, scale, causal, window, key_lengths, keep_mask, bias,
-               alibi_slopes=None, softcap=None):
+               alibi_slopes=None, softcap=None, query_lengths=None, sink_tokens=0,
+               sinks=None):
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -317,11 +335,22 @@ def sdpa_torch(q, k, v, scale, causal, window, key_lengths, keep_mask, bias,
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     if alibi_slopes is not None:
-        s = s + alibi_torch(alibi_slopes, Hq, Lq, Lk, causal)
+        s = s + alibi_torch(alibi_slopes, B, Hq, Lq, Lk, causal, key_lengths, query_lengths)
     if bias is not None:
         s = s + torch.from_numpy(bias)
-    vis = visibility_torch(B, Hq, Lq, Lk, causal, window, key_lengths, keep_mask)
+    vis = visibility_torch(B, Hq, Lq, Lk, causal, window, key_lengths, keep_mask,
+                           query_lengths, sink_tokens)
     s = s.masked_fill(~vis, -math.inf)
+    if sinks is not None:
+        # gpt-oss's eager formula: the sink joins the softmax as one more column, which is
+        # then dropped.
+        sink = torch.tensor(sinks, dtype=torch.float64).view(1, Hq, 1, 1).expand(B, Hq, Lq, 1)
+        combined = torch.cat([s, sink], dim=-1)
+        lse = torch.logsumexp(combined, dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        w = torch.softmax(combined, dim=-1)[..., :-1]
+        out = torch.matmul(w, vt)
+        return out.numpy(), w.numpy(), lse.numpy(), vis.numpy()
     lse = torch.logsumexp(s, dim=-1)
     valid = torch.isfinite(lse)
     w = torch.softmax(s, dim=-1)
@@ -340,19 +369,25 @@ def bcast_index(shape, b, h, i, j):
     return tuple(0 if shape[d] == 1 else idx[d] for d in range(4))
 
 
-def key_visible(b, h, i, j, Lq, Lk, causal, window, key_lengths, keep_mask):
+def centre_of(b, i, Lq, Lk, causal, key_lengths, query_lengths):
+    nk = Lk if key_lengths is None else key_lengths[b]
+    nq = Lq if query_lengths is None else query_lengths[b]
+    return i if causal == "top_left" else i + nk - nq
+
+
+def key_visible(b, h, i, j, Lq, Lk, causal, window, key_lengths, keep_mask,
+                query_lengths=None, sink_tokens=0):
     if key_lengths is not None and not (j < key_lengths[b]):
         return False
-    if causal == "top_left":
-        centre = i
-    else:
-        centre = i + (Lk - Lq)
+    if query_lengths is not None and not (i < query_lengths[b]):
+        return False
+    centre = centre_of(b, i, Lq, Lk, causal, key_lengths, query_lengths)
     if causal != "none" and j > centre:
         return False
     left, right = window
-    if left >= 0 and j < centre - left:
+    if j >= sink_tokens and left >= 0 and j < centre - left:
         return False
-    if right >= 0 and j > centre + right:
+    if j >= sink_tokens and right >= 0 and j > centre + right:
         return False
     if keep_mask is not None and not keep_mask[bcast_index(keep_mask.shape, b, h, i, j)]:
         return False
@@ -360,7 +395,8 @@ def key_visible(b, h, i, j, Lq, Lk, causal, window, key_lengths, keep_mask):
 
 
 def sdpa_loops(q, k, v, scale, causal, window, key_lengths, keep_mask, bias,
-               alibi_slopes=None, softcap=None):
+               alibi_slopes=None, softcap=None, query_lengths=None, sink_tokens=0,
+               sinks=None):
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     per_kv = Hq // Hkv
@@ -375,14 +411,14 @@ def sdpa_loops(q, k, v, scale, causal, window, key_lengths, keep_mask, bias,
                 js, ss = [], []
                 for j in range(Lk):
                     if not key_visible(b, h, i, j, Lq, Lk, causal, window,
-                                       key_lengths, keep_mask):
+                                       key_lengths, keep_mask, query_lengths, sink_tokens):
                         continue
                     sij = sc * math.fsum(q[b, h, i, d] * k[b, g, j, d] for d in range(D))
                     if softcap is not None:
                         sij = softcap * math.tanh(sij / softcap)
                     if alibi_slopes is not None:
-                        off = 0 if causal == "top_left" else Lk - Lq
-                        sij -= alibi_slopes[h] * abs(i + off - j)
+                        c = centre_of(b, i, Lq, Lk, causal, key_lengths, query_lengths)
+                        sij -= alibi_slopes[h] * abs(c - j)
                     if bias is not None:
                         sij += bias[bcast_index(bias.shape, b, h, i, j)]
                     if sij == -math.inf:
@@ -390,10 +426,12 @@ def sdpa_loops(q, k, v, scale, causal, window, key_lengths, keep_mask, bias,
                     js.append(j)
                     ss.append(sij)
                 if not js:
+                    if sinks is not None:
+                        lse[b, h, i] = sinks[h]
                     continue
-                m = max(ss)
+                m = max(ss) if sinks is None else max(max(ss), sinks[h])
                 ex = [math.exp(x - m) for x in ss]
-                tot = math.fsum(ex)
+                tot = math.fsum(ex + ([] if sinks is None else [math.exp(sinks[h] - m)]))
                 lse[b, h, i] = m + math.log(tot)
                 for j, e in zip(js, ex):
                     w[b, h, i, j] = e / tot
@@ -430,7 +468,7 @@ def torch_private_sdpa(q, k, v, scale, D, group, mask=None, is_causal=False):
 def add_case(name, B, Hq, Hkv, Lq, Lk, D, Dv, scale=None, causal="none",
              window=(-1, -1), key_lengths=None, keep_mask=None, bias=None,
              qkv=None, expect_empty=False, same_as=None, alibi_slopes=None,
-             softcap=None):
+             softcap=None, query_lengths=None, sink_tokens=0, sinks=None):
     """Build, verify and record one sdpa case.
 
     keep_mask / bias may be callables taking the case's rng. qkv may be a
@@ -466,6 +504,12 @@ def add_case(name, B, Hq, Hkv, Lq, Lk, D, Dv, scale=None, causal="none",
     if key_lengths is not None:
         key_lengths = [int(n) for n in key_lengths]
         assert len(key_lengths) == B and all(0 <= n <= Lk for n in key_lengths)
+    if query_lengths is not None:
+        query_lengths = [int(n) for n in query_lengths]
+        assert len(query_lengths) == B and all(0 <= n <= Lq for n in query_lengths)
+    if sinks is not None:
+        sinks = [float(np.float32(x)) for x in sinks]
+        assert len(sinks) == Hq
     window = [int(window[0]), int(window[1])]
     assert window[0] >= -1 and window[1] >= -1
     for arr, what in ((q, "q"), (k, "k"), (v, "v")):
@@ -479,12 +523,13 @@ def add_case(name, B, Hq, Hkv, Lq, Lk, D, Dv, scale=None, causal="none",
     if softcap is not None:
         softcap = float(np.float32(softcap))
         assert softcap > 0
-    modified = alibi_slopes is not None or softcap is not None
+    modified = alibi_slopes is not None or softcap is not None or sinks is not None
     args = (scale, causal, window, key_lengths, keep_mask, bias)
-    out, w, lse, vis = sdpa_torch(q, k, v, *args, alibi_slopes, softcap)
+    extra = (alibi_slopes, softcap, query_lengths, sink_tokens, sinks)
+    out, w, lse, vis = sdpa_torch(q, k, v, *args, *extra)
 
     # --- independent NumPy loop implementation
-    out2, w2, lse2 = sdpa_loops(q, k, v, *args, alibi_slopes, softcap)
+    out2, w2, lse2 = sdpa_loops(q, k, v, *args, *extra)
     assert close(out, out2), name + ": out differs from loop reference"
     assert close(w, w2), name + ": weights differ from loop reference"
     assert close(lse, lse2), name + ": lse differs from loop reference"
@@ -495,9 +540,15 @@ def add_case(name, B, Hq, Hkv, Lq, Lk, D, Dv, scale=None, causal="none",
     valid = np.isfinite(lse)
     assert np.all(np.isfinite(lse) | (lse == -np.inf)), name
     sums = w.sum(axis=-1)
-    assert np.all(np.abs(sums[valid] - 1.0) <= TOL), name + ": row sum"
-    assert np.all(w[~valid] == 0.0) and np.all(out[~valid] == 0.0), name
-    n_empty = int((~valid).sum())
+    if sinks is None:
+        assert np.all(np.abs(sums[valid] - 1.0) <= TOL), name + ": row sum"
+        assert np.all(w[~valid] == 0.0) and np.all(out[~valid] == 0.0), name
+        n_empty = int((~valid).sum())
+    else:  # the weights and the sink's share make 1
+        share = np.exp(np.array(sinks).reshape(1, Hq, 1) - lse)
+        assert np.all(np.abs(sums + share - 1.0) <= TOL), name + ": row sum with the sink"
+        assert np.all(sums < 1.0), name + ": the sink takes a share"
+        n_empty = int((sums == 0.0).sum())
     assert (n_empty > 0) == expect_empty, "%s: %d empty rows, expected %s" % (
         name, n_empty, "some" if expect_empty else "none")
 
@@ -523,13 +574,14 @@ def add_case(name, B, Hq, Hkv, Lq, Lk, D, Dv, scale=None, causal="none",
             o4, w4 = torch_private_sdpa(q, k, v, scale, D, group,
                                         is_causal=(causal != "none"))
             assert close(out, o4) and close(w, w4), name + ": private sdpa causal"
-    if modified and softcap is None:
+    if alibi_slopes is not None and softcap is None and sinks is None:
         # ALiBi is exactly an additive bias: the same case with the explicit tensor.
-        explicit = alibi_torch(alibi_slopes, Hq, Lq, Lk, causal).numpy()
+        explicit = alibi_torch(alibi_slopes, B, Hq, Lq, Lk, causal, key_lengths,
+                               query_lengths).numpy()
         if bias is not None:
             explicit = explicit + bias
         o7, w7, l7, _ = sdpa_torch(q, k, v, scale, causal, window, key_lengths, keep_mask,
-                                   explicit)
+                                   explicit, None, None, query_lengths, sink_tokens)
         assert close(out, o7) and close(w, w7) and close(lse, l7), name + ": alibi as bias"
     if _HAS_PRIVATE_SDPA and bias is None and not modified:
         o5, w5 = torch_private_sdpa(q, k, v, scale, D, group, mask=vis)
@@ -557,6 +609,9 @@ def add_case(name, B, Hq, Hkv, Lq, Lk, D, Dv, scale=None, causal="none",
         "bias": None if bias is None else tensor(bias),
         "alibi_slopes": alibi_slopes,
         "softcap": softcap,
+        "query_lengths": query_lengths,
+        "sink_tokens": sink_tokens,
+        "sinks": sinks,
         "out": tensor(out), "weights": tensor(w), "lse": tensor(lse),
         "_summary": "B=%d Hq=%d Hkv=%d Lq=%d Lk=%d D=%d Dv=%d empty_rows=%d" % (
             B, Hq, Hkv, Lq, Lk, D, Dv, n_empty),
@@ -726,7 +781,7 @@ def build_sdpa():
     def combined_mask(rng):
         m = rng.random((2, 1, 1, 9)) < 0.8
         m[:, :, :, 6] = True
-        m[1, 0, 0, 5] = False     # batch 1 keys left for row 4: j = 5, 6
+        m[1, 0, 0, 3:6] = False   # batch 1 (diagonal 6 at row 4) keys left for row 4: j = 6
         return m
 
     def combined_bias(rng):
@@ -769,6 +824,29 @@ def build_sdpa():
              bias=lambda rng: rng.standard_normal((1, 4, 6, 11)))
     add_case("softcap_with_minus_inf_bias", 1, 1, 1, 4, 6, 8, 8, softcap=30.0,
              bias=lambda rng: np.where(rng.random((1, 1, 4, 6)) < 0.3, -np.inf, 0.0))
+
+    # --- per-sequence lengths: each sequence's diagonal from its own n_k(b) - n_q(b)
+    add_case("ragged_causal_bottom_right_lq6_lk10", 3, 2, 2, 6, 10, 8, 8,
+             causal="bottom_right", key_lengths=[10, 7, 3], query_lengths=[6, 2, 3], expect_empty=True)
+    add_case("ragged_causal_top_left_lq6_lk10", 3, 2, 1, 6, 10, 8, 8, causal="top_left",
+             key_lengths=[10, 7, 3], query_lengths=[6, 2, 0], expect_empty=True)
+    add_case("ragged_window_l2_alibi_softcap_bottom_right", 2, 4, 2, 5, 9, 8, 6,
+             causal="bottom_right", window=(2, -1), key_lengths=[9, 4],
+             query_lengths=[5, 3], alibi_slopes=alibi_schedule(4), softcap=3.0, expect_empty=True)
+    add_case("ragged_window_l1_r1_no_causal", 2, 2, 2, 5, 8, 4, 4, window=(1, 1),
+             key_lengths=[8, 5], query_lengths=[3, 5], expect_empty=True)
+    # --- learned sinks (gpt-oss) and sink tokens (StreamingLLM)
+    add_case("sinks_plain_lq5_lk7", 1, 4, 4, 5, 7, 8, 8, sinks=[0.5, -1.0, 2.0, 0.0])
+    add_case("sinks_causal_bottom_right_key_lengths_empty_row", 2, 2, 1, 4, 6, 8, 8,
+             causal="bottom_right", key_lengths=[6, 0], sinks=[1.5, -0.5], expect_empty=True)
+    add_case("sinks_gqa_softcap_alibi_ragged", 2, 4, 2, 6, 9, 8, 8, causal="bottom_right",
+             key_lengths=[9, 5], query_lengths=[6, 4], softcap=2.5,
+             alibi_slopes=alibi_schedule(4), sinks=[0.25, 1.0, -2.0, 3.0], expect_empty=True)
+    add_case("sink_tokens_2_window_l2_causal_bottom_right", 1, 2, 2, 8, 12, 8, 8,
+             causal="bottom_right", window=(2, -1), sink_tokens=2)
+    add_case("sink_tokens_3_window_l1_r0_sinks_ragged", 2, 2, 2, 7, 10, 4, 4,
+             window=(1, 0), sink_tokens=3, key_lengths=[10, 6], query_lengths=[7, 5],
+             sinks=[0.0, 1.0], expect_empty=True)
 
     summaries = []
     for c in CASES:

@@ -35,7 +35,7 @@ std::vector<Index> shape_of(const json& t);
 std::vector<double> values_of(const json& t);
 
 /// The number of cases in tests/reference/sdpa.json (tests/reference/generate.py).
-inline constexpr std::size_t sdpa_case_count = 50;
+inline constexpr std::size_t sdpa_case_count = 59;
 
 /// fixture(name).at(key), REQUIRE'd to hold `count` entries: a fixture file that lost its
 /// cases must fail the tests that loop over them, not pass them.

@@ -29,10 +29,18 @@
       const attn::AttentionOptions<attn::compute_scalar_t<TQ>>&, attn::compute_scalar_t<TQ>*, \
       attn::compute_scalar_t<TQ>*)
 
+#define ATTN_TEST_VARLEN_INTO(TQ, TKV, TO)                                 \
+  template void attn::detail::varlen_attention_into<TQ, TKV, TO>(          \
+      const attn::HeadsView<const TQ>&, const attn::HeadsView<const TKV>&, \
+      const attn::HeadsView<const TKV>&, const attn::HeadsView<TO>&,       \
+      const std::vector<attn::Index>&, const std::vector<attn::Index>&,    \
+      const attn::AttentionOptions<attn::compute_scalar_t<TQ>>&, attn::compute_scalar_t<TQ>*)
+
 #define ATTN_TEST_DECODE(T, S)                                                                   \
   template void attn::detail::decode_attention<T, S>(                                            \
       const attn::KernelPlan&, const attn::HeadsView<const T>&, const attn::HeadsView<const S>&, \
-      const attn::HeadsView<const S>&, const attn::HeadsView<T>&, const attn::Mask<T>&, T, T*)
+      const attn::HeadsView<const S>&, const attn::HeadsView<T>&, const attn::Mask<T>&, T,       \
+      const attn::detail::RowValues<T>&)
 
 #define ATTN_TEST_LINEAR(T)                                             \
   template void attn::linear_attention_into<T>(                         \
@@ -43,11 +51,13 @@
 // tests/instances/attention_float.cpp: float, the scalar of every instruction set's vector kernels.
 #define ATTN_TEST_INSTANCES_FLOAT(X)               \
   X ATTN_TEST_ATTENTION_INTO(float, float, float); \
+  X ATTN_TEST_VARLEN_INTO(float, float, float);    \
   X ATTN_TEST_DECODE(float, float);
 
 // tests/instances/attention_double.cpp: double.
 #define ATTN_TEST_INSTANCES_DOUBLE(X)                 \
   X ATTN_TEST_ATTENTION_INTO(double, double, double); \
+  X ATTN_TEST_VARLEN_INTO(double, double, double);    \
   X ATTN_TEST_DECODE(double, double);
 
 // tests/instances/attention_16bit.cpp: 16-bit storage, alone and mixed with float.
@@ -55,6 +65,7 @@
   X ATTN_TEST_ATTENTION_INTO(float, Eigen::half, float);                         \
   X ATTN_TEST_ATTENTION_INTO(float, Eigen::bfloat16, float);                     \
   X ATTN_TEST_ATTENTION_INTO(Eigen::half, Eigen::half, Eigen::half);             \
+  X ATTN_TEST_VARLEN_INTO(Eigen::half, Eigen::half, Eigen::half);                \
   X ATTN_TEST_ATTENTION_INTO(Eigen::bfloat16, Eigen::bfloat16, Eigen::bfloat16); \
   X ATTN_TEST_ATTENTION_INTO(Eigen::half, Eigen::half, float);                   \
   X ATTN_TEST_ATTENTION_INTO(Eigen::bfloat16, Eigen::bfloat16, float);           \

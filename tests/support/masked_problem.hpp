@@ -36,6 +36,11 @@ inline const char* const mask_kind_names[] = {
     "causal bottom-right + ALiBi + softcap 3",
     "softcap 3 + key lengths",
     "causal bottom-right + window (6, -1) + keep-mask (B, 1, 1, Lk) + bias + ALiBi + softcap 3",
+    "causal bottom-right + ragged query and key lengths",
+    "causal top-left + window (2, -1) + ragged query lengths with an empty sequence",
+    "causal bottom-right + window (4, -1) + 3 sink tokens",
+    "learned sinks + causal bottom-right + key lengths with an empty sequence",
+    "learned sinks + 2 sink tokens + window (3, 1) + ragged lengths + ALiBi + softcap 3",
 };
 inline constexpr int mask_kinds = sizeof(mask_kind_names) / sizeof(mask_kind_names[0]);
 
@@ -61,6 +66,18 @@ inline reference::Problem masked_problem(Index batch, Index q_heads, Index kv_he
       l.push_back(pattern[b % 3]);
     }
     return l;
+  };
+  // Every sequence its own lengths: queries n_q(b) in (0, Lq], keys n_k(b) around it.
+  const auto ragged = [&](bool with_empty) {
+    for (Index b = 0; b < batch; ++b) {
+      const Index nq = with_empty && b % 3 == 1 ? 0 : 1 + (q_length - 1) * (b % 3 + 1) / 3;
+      p.query_lengths.push_back(std::min(nq, q_length));
+      p.key_lengths.push_back(std::max(Index(0), k_length - (b % 2) * (k_length / 3)));
+    }
+  };
+  const auto learned_sinks = [&] {
+    for (Index h = 0; h < q_heads; ++h)
+      p.sinks.push_back(static_cast<long double>(normal(rng)) + 1.0L);
   };
   const auto keep_mask = [&](std::array<Index, 4> dims) {
     p.keep.dims = dims;
@@ -137,6 +154,35 @@ inline reference::Problem masked_problem(Index batch, Index q_heads, Index kv_he
       alibi();
       p.softcap = 3;
       break;
+    case 13:
+      p.causal = Causal::bottom_right;
+      ragged(false);
+      break;
+    case 14:
+      p.causal = Causal::top_left;
+      p.window_left = 2;
+      ragged(true);
+      p.key_lengths.clear();
+      break;
+    case 15:
+      p.causal = Causal::bottom_right;
+      p.window_left = 4;
+      p.sink_tokens = 3;
+      break;
+    case 16:
+      learned_sinks();
+      p.causal = Causal::bottom_right;
+      p.key_lengths = lengths(true);
+      break;
+    case 17:
+      learned_sinks();
+      p.sink_tokens = 2;
+      p.window_left = 3;
+      p.window_right = 1;
+      ragged(false);
+      alibi();
+      p.softcap = 3;
+      break;
     default:
       break;
   }
@@ -151,6 +197,8 @@ void round_numbers_to(reference::Problem& p) {
   for (long double& x : p.bias.data)
     x = round(x);
   for (long double& x : p.alibi_slopes)
+    x = round(x);
+  for (long double& x : p.sinks)
     x = round(x);
   if (p.softcap)
     p.softcap = round(*p.softcap);
@@ -181,6 +229,10 @@ struct AttnOptions {
                                                         : attn::Causal::none;
     options.window = {p.window_left, p.window_right};
     options.key_lengths = p.key_lengths;
+    options.query_lengths = p.query_lengths;
+    options.sink_tokens = p.sink_tokens;
+    for (const long double sink : p.sinks)
+      options.sinks.push_back(static_cast<T>(sink));
     if (p.scale)
       options.scale = static_cast<T>(*p.scale);
     if (!p.keep.empty()) {

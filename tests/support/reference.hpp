@@ -50,24 +50,38 @@ struct Problem {
   Causal causal = Causal::none;
   Index window_left = -1, window_right = -1;  ///< -1 = unbounded
   std::vector<Index> key_lengths;             ///< (B), or empty
+  std::vector<Index> query_lengths;           ///< (B), or empty
+  Index sink_tokens = 0;                      ///< first keys visible beside the window
   Broadcast4<bool> keep;                      ///< true = may attend, or empty
   Broadcast4<long double> bias;               ///< added to the scores, or empty
   std::vector<long double> alibi_slopes;      ///< (Hq), or empty
   std::optional<long double> softcap;
+  std::vector<long double> sinks;  ///< (Hq) learned sink logits, or empty
 
-  /// The diagonal of query i: i, or i + Lk - Lq unless the causal mask is top-left.
-  Index diagonal(Index i) const { return causal == Causal::top_left ? i : i + k_length - q_length; }
+  Index keys_of(Index b) const {
+    return key_lengths.empty() ? k_length : key_lengths[static_cast<std::size_t>(b)];
+  }
+  Index queries_of(Index b) const {
+    return query_lengths.empty() ? q_length : query_lengths[static_cast<std::size_t>(b)];
+  }
+
+  /// The diagonal of query i of sequence b: i, or i + n_k(b) - n_q(b) unless the causal
+  /// mask is top-left (each sequence aligned by its own lengths).
+  Index diagonal(Index b, Index i) const {
+    return causal == Causal::top_left ? i : i + keys_of(b) - queries_of(b);
+  }
 
   /// docs/masks.md: query i of batch b, head h may see key j.
   bool visible(Index b, Index h, Index i, Index j) const {
-    if (!key_lengths.empty() && j >= key_lengths[static_cast<std::size_t>(b)])
+    if (i >= queries_of(b) || j >= keys_of(b))
       return false;
-    const Index c = diagonal(i);
+    const Index c = diagonal(b, i);
     if (causal != Causal::none && j > c)
       return false;
-    if (window_left >= 0 && j < c - window_left)
+    const bool sink_token = j < sink_tokens;  // exempt from the window only
+    if (!sink_token && window_left >= 0 && j < c - window_left)
       return false;
-    if (window_right >= 0 && j > c + window_right)
+    if (!sink_token && window_right >= 0 && j > c + window_right)
       return false;
     return keep.empty() || keep.at(b, h, i, j);
   }
@@ -96,7 +110,10 @@ struct Result {
 ///   s_j  = softcap * tanh(scale q.k_j / softcap) - slope_h |c(i) - j| + bias   (visible j)
 ///   out  = sum_j exp(s_j - m) v_j / sum_j exp(s_j - m),  m = max_j s_j
 ///   lse  = m + log sum_j exp(s_j - m)
-/// A row that sees no key (or only scores of -inf) outputs zeros and lse -inf; a NaN score
+/// With a sink logit z_h (gpt-oss), z_h joins the softmax and its column is dropped:
+/// m = max(max_j s_j, z_h), the denominator gains exp(z_h - m) and lse includes it.
+/// A row that sees no key (or only scores of -inf) outputs zeros and lse -inf (z_h with a
+/// sink); a NaN score
 /// makes the row NaN, and so does a +inf one. Compiled once, optimised, in reference.cpp: the
 /// tests call it on problems of millions of multiply-adds.
 template <class R>

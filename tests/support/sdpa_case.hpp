@@ -49,6 +49,13 @@ struct SdpaCase {
     }
     if (c.contains("softcap") && !c.at("softcap").is_null())
       options.softcap = static_cast<T>(c.at("softcap").get<double>());
+    if (!c.at("query_lengths").is_null())
+      options.query_lengths = c.at("query_lengths").get<std::vector<Index>>();
+    options.sink_tokens = c.at("sink_tokens").get<Index>();
+    if (!c.at("sinks").is_null()) {
+      for (const double sink : c.at("sinks").get<std::vector<double>>())
+        options.sinks.push_back(static_cast<T>(sink));
+    }
     out = values<double>(c.at("out"));
     weights = values<double>(c.at("weights"));
     lse = values<double>(c.at("lse"));

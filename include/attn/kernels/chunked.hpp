@@ -51,7 +51,7 @@ void chunked_attention_block(const HeadMatrix<const T>& q,  // (rows, D)  querie
   if (visibility == TileVisibility::hidden) {
     out.setZero();
     if (logsumexp != nullptr)
-      std::fill(logsumexp, logsumexp + rows, minus_inf);
+      std::fill(logsumexp, logsumexp + rows, mask.sink(h) != nullptr ? *mask.sink(h) : minus_inf);
     return;
   }
   if (workspace.size() < rows * cols)
@@ -62,7 +62,7 @@ void chunked_attention_block(const HeadMatrix<const T>& q,  // (rows, D)  querie
   if (visibility == TileVisibility::partial || mask.modifies_scores())
     mask.apply(b, h, i0, first, s);   // 2
   for (Index r = 0; r < rows; ++r) {  // pass 3
-    const T lse = softmax_in_place(s.row(r).data(), cols);
+    const T lse = softmax_in_place(s.row(r).data(), cols, mask.sink(h));
     if (logsumexp != nullptr)
       logsumexp[r] = lse;
   }
@@ -79,7 +79,7 @@ void run_chunked(const KernelPlan& plan,
                  const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
                  const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
                  const Mask<compute_scalar_t<TQ>>& mask, compute_scalar_t<TQ> scale,
-                 compute_scalar_t<TQ>* logsumexp) {  // (B, Hq, Lq) or null
+                 const RowValues<compute_scalar_t<TQ>>& logsumexp) {  // (B, Hq, Lq) or null
   using T = compute_scalar_t<TQ>;
   const Index q_heads = q.heads, q_length = q.length;
   const Index group = q_heads / k.heads, query_tile = plan.query_tile;
@@ -95,11 +95,14 @@ void run_chunked(const KernelPlan& plan,
         const Index head_item = item / q_tiles;  // b * Hq + h
         const Index b = head_item / q_heads, h = head_item % q_heads;
         const Index i0 = (q_tiles - 1 - item % q_tiles) * query_tile;
-        const Index rows = std::min(i0 + query_tile, q_length) - i0;
-        chunked_attention_block<T>(
-            rows_as<T, TQ>(q.head(b, h), i0, rows, s.q_rows), s.k_head(k, b, h / group),
-            s.v_head(v, b, h / group), s.out_rows.rows(out.head(b, h), i0, rows), mask, b, h, scale,
-            i0, s.block, logsumexp != nullptr ? logsumexp + head_item * q_length + i0 : nullptr);
+        const Index rows = std::min(i0 + query_tile, q.rows(b)) - i0;
+        if (rows <= 0)  // past the end of a shorter sequence of a packed batch
+          return;
+        T* lse = logsumexp.head(b, h);
+        chunked_attention_block<T>(rows_as<T, TQ>(q.head(b, h), i0, rows, s.q_rows),
+                                   s.k_head(k, b, h / group), s.v_head(v, b, h / group),
+                                   s.out_rows.rows(out.head(b, h), i0, rows), mask, b, h, scale, i0,
+                                   s.block, lse != nullptr ? lse + i0 : nullptr);
         s.out_rows.store(out.head(b, h), i0, rows);
       });
 }

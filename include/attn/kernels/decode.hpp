@@ -27,10 +27,10 @@
 // a half accumulator has an 11-bit significand, so summing thousands of weights stops
 // growing once the sum reaches 2^11 ulps of the terms (see the long-context test).
 //
-// Masks: the full Mask (causal either alignment, window, key lengths, keep-mask, bias,
-// ALiBi, softcap). Splits and key blocks outside every row's visible interval are skipped
-// without arithmetic. A row that sees no key gives zeros and log-sum-exp -inf; NaN
-// propagates.
+// Masks: the full Mask (causal either alignment, window, key and query lengths, sink tokens,
+// keep-mask, bias, ALiBi, softcap, learned sinks in the merge). Splits and key blocks outside every
+// row's visible interval are skipped without arithmetic. A row that sees no key gives zeros and
+// log-sum-exp -inf; NaN propagates.
 //
 // Extra memory: per call, partials of splits * G * Lq * (Dv + 2) scalars for every
 // (b, kv head), splits = ceil(Lk / split_keys); per thread, G * Lq * (D + key_block + 6)
@@ -64,7 +64,7 @@ void decode_attention(const KernelPlan& plan,
                       const HeadsView<const S>& v,  // (B, Hkv, Lk, Dv)
                       const HeadsView<T>& out,      // (B, Hq, Lq, Dv)
                       const Mask<T>& mask, T scale,
-                      T* logsumexp) {  // (B, Hq, Lq) or null
+                      const RowValues<T>& logsumexp) {  // (B, Hq, Lq), (Hq, Tq) or null
   static_assert(std::is_same_v<S, T> || (std::is_same_v<T, float> && is_16bit_scalar_v<S>),
                 "decode_attention: S must be T, or Eigen::half / Eigen::bfloat16 with T = float");
   ATTN_ASSERT(plan.split_keys > 0 && plan.key_block > 0);
@@ -75,7 +75,10 @@ void decode_attention(const KernelPlan& plan,
   const Index splits = (k.length + plan.split_keys - 1) / plan.split_keys;
   const Index partial_size = rows * (v.dim + 2);
   const Index groups = batch * kv_heads, work_items = groups * splits;
-  const Index key_block = std::min(plan.key_block, std::max(k.length, Index(1)));
+  // Not cut to Lk: the block is the row stride of the scores, and a call must give the same
+  // bits whatever the longest sequence it holds (Eigen's products round differently at
+  // different strides).
+  const Index key_block = plan.key_block;
   std::vector<T> partials(static_cast<std::size_t>(work_items * partial_size));
   with_kernels<T>(plan.isa, [&](auto kernels) {
     using K = decltype(kernels);
@@ -99,7 +102,7 @@ void decode_attention(const KernelPlan& plan,
         [&](Index pair, int) {
           K::template merge_splits<T>(partials.data() + pair * splits * partial_size, splits,
                                       partial_size, pair / kv_heads, pair % kv_heads, group, out,
-                                      logsumexp);
+                                      mask, logsumexp);
         });
   });
 }
@@ -113,30 +116,39 @@ void run_decode(const KernelPlan& plan,
                 const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
                 const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
                 const Mask<compute_scalar_t<TQ>>& mask, compute_scalar_t<TQ> scale,
-                compute_scalar_t<TQ>* logsumexp) {  // (B, Hq, Lq) or null
+                const RowValues<compute_scalar_t<TQ>>& logsumexp) {  // or null
   using T = compute_scalar_t<TQ>;
-  const Index batch = q.batch, q_heads = q.heads, q_length = q.length;
+  const Index batch = q.batch, q_heads = q.heads;
   std::vector<T> q_wide, out_wide;  // (B, Hq, Lq, D), (B, Hq, Lq, Dv) for 16-bit q, out
+  // Contiguous views of the same shape as `like`: (B, H, L, width), or packed (T, H, width).
+  const auto wide_view = [&](std::vector<T>& buffer, const auto& like, Index width) {
+    const Index tokens =
+        like.row_offsets != nullptr ? like.row_offsets[batch] : batch * like.length;
+    buffer.resize(static_cast<std::size_t>(tokens * q_heads * width));
+    HeadsView<T> view = bhld_view(buffer.data(), batch, q_heads, like.length, width);
+    if (like.row_offsets != nullptr)
+      view = {buffer.data(), batch,           q_heads,         like.length, width, 0,
+              width,         q_heads * width, like.row_offsets};
+    return view;
+  };
   HeadsView<const T> q_view;
   HeadsView<T> out_view;
   if constexpr (std::is_same_v<TQ, T>) {
     q_view = q;
   } else {
-    q_wide.resize(static_cast<std::size_t>(batch * q_heads * q_length * q.dim));
-    q_view = bhld_view(static_cast<const T*>(q_wide.data()), batch, q_heads, q_length, q.dim);
+    const HeadsView<T> wide = wide_view(q_wide, q, q.dim);
     for (Index b = 0; b < batch; ++b) {
       for (Index h = 0; h < q_heads; ++h) {
-        for (Index i = 0; i < q_length; ++i)
-          widen(q.head(b, h).row(i).data(),
-                q_wide.data() + ((b * q_heads + h) * q_length + i) * q.dim, q.dim);
+        for (Index i = 0; i < q.rows(b); ++i)
+          widen(q.head(b, h).row(i).data(), wide.head(b, h).row(i).data(), q.dim);
       }
     }
+    q_view = wide;
   }
   if constexpr (std::is_same_v<TO, T>) {
     out_view = out;
   } else {
-    out_wide.resize(static_cast<std::size_t>(batch * q_heads * q_length * v.dim));
-    out_view = bhld_view(out_wide.data(), batch, q_heads, q_length, v.dim);
+    out_view = wide_view(out_wide, out, v.dim);
   }
   decode_attention<T, TKV>(plan, q_view, k, v, out_view, mask, scale, logsumexp);
   if constexpr (!std::is_same_v<TO, T>) {

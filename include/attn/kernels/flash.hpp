@@ -39,7 +39,7 @@ void run_flash(const KernelPlan& plan,
                const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
                const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
                const Mask<compute_scalar_t<TQ>>& mask, compute_scalar_t<TQ> scale,
-               compute_scalar_t<TQ>* logsumexp) {  // (B, Hq, Lq) or null
+               const RowValues<compute_scalar_t<TQ>>& logsumexp) {  // (B, Hq, Lq) or null
   using T = compute_scalar_t<TQ>;
   const Index q_heads = q.heads, q_length = q.length, k_length = k.length;
   const Index group = q_heads / k.heads;
@@ -63,12 +63,15 @@ void run_flash(const KernelPlan& plan,
       const Index head_item = item / q_tiles;  // b * Hq + h
       const Index b = head_item / q_heads, h = head_item % q_heads;
       const Index i0 = (q_tiles - 1 - item % q_tiles) * query_tile;
-      const Index rows = std::min(i0 + query_tile, q_length) - i0;
+      const Index rows = std::min(i0 + query_tile, q.rows(b)) - i0;
+      if (rows <= 0)  // past the end of a shorter sequence of a packed batch
+        return;
       const HeadMatrix<const T> q_rows = rows_as<T, TQ>(q.head(b, h), i0, rows, s.q_rows);
-      K::template flash_tile<T, TKV>(
-          q_rows, k.head(b, h / group), v.head(b, h / group),
-          s.out_rows.rows(out.head(b, h), i0, rows), mask, b, h, scale, i0, key_tile, s.workspace,
-          logsumexp != nullptr ? logsumexp + head_item * q_length + i0 : nullptr);
+      T* lse = logsumexp.head(b, h);
+      K::template flash_tile<T, TKV>(q_rows, k.head(b, h / group), v.head(b, h / group),
+                                     s.out_rows.rows(out.head(b, h), i0, rows), mask, b, h, scale,
+                                     i0, key_tile, s.workspace,
+                                     lse != nullptr ? lse + i0 : nullptr);
       s.out_rows.store(out.head(b, h), i0, rows);
     });
   });

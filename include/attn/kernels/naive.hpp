@@ -1,10 +1,13 @@
 // attn/kernels/naive.hpp: the reference kernel. Materialises the (Lq, Lk) scores.
 //
-// Extra memory: one (Lq, Lk) score matrix per thread (reused across heads), or none beyond
+// Extra memory: one (Lq, n_k) score matrix per thread (reused across heads; n_k = the
+// sequence's key length, padding keys are not scored), or none beyond
 // the caller's weights buffer when the weights are requested (the scores are built there).
 // With 16-bit inputs add one widened (Lq, D) q head, (Lk, D + Dv) k and v head and (Lq, Dv)
 // output per thread. It is the only kernel that can return the full attention weights.
 #pragma once
+
+#include <algorithm>
 
 #include <Eigen/Core>
 
@@ -18,10 +21,11 @@
 
 namespace attn::detail {
 
-/// Attention for one (batch b, query head h) pair.
+/// Attention for one (batch b, query head h) pair, over its first n_k(b) keys (the rest are
+/// padding: their weights are 0 and they cost nothing).
 ///   pass 1: S = scale * q k^T          one GEMM, scale folded into its alpha
 ///   pass 2: mask S (hidden -> -inf, add the bias)
-///   pass 3: row softmax of S in place, keeping each row's log-sum-exp
+///   pass 3: row softmax of S in place (with the head's sink), keeping each row's log-sum-exp
 ///   pass 4: out = S v                  one GEMM
 template <class T>
 void naive_attention_head(const HeadMatrix<const T>& q,  // (Lq, D)
@@ -29,24 +33,29 @@ void naive_attention_head(const HeadMatrix<const T>& q,  // (Lq, D)
                           const HeadMatrix<const T>& v,  // (Lk, Dv)
                           HeadMatrix<T> out,             // (Lq, Dv)
                           const Mask<T>& mask, Index b, Index h, T scale,
-                          Matrix<T>& workspace,  // reused between calls; resized to (Lq, Lk)
+                          Matrix<T>& workspace,  // reused between calls; resized to (Lq, n_k)
                           T* weights,            // (Lq, Lk) contiguous, or null
                           T* logsumexp) {        // (Lq), or null
   const Index q_length = q.rows();
   const Index k_length = k.rows();
+  const Index keys = std::min(k_length, mask.key_length(b));
   if (weights == nullptr)
-    workspace.resize(q_length, k_length);
-  Eigen::Map<Matrix<T>> scores(weights != nullptr ? weights : workspace.data(), q_length, k_length);
+    workspace.resize(q_length, keys);
+  HeadMatrix<T> scores(weights != nullptr ? weights : workspace.data(), q_length, keys,
+                       Eigen::OuterStride<>(weights != nullptr ? k_length : keys));
+  if (weights != nullptr && keys < k_length) {
+    Eigen::Map<Matrix<T>>(weights, q_length, k_length).rightCols(k_length - keys).setZero();
+  }
 
-  scores.noalias() = scale * (q * k.transpose());  // pass 1
+  scores.noalias() = scale * (q * k.topRows(keys).transpose());  // pass 1
   if (!mask.is_trivial())
     mask.apply(b, h, 0, 0, scores);       // pass 2
   for (Index i = 0; i < q_length; ++i) {  // pass 3
-    const T lse = softmax_in_place(scores.row(i).data(), k_length);
+    const T lse = softmax_in_place(scores.row(i).data(), keys, mask.sink(h));
     if (logsumexp != nullptr)
       logsumexp[i] = lse;
   }
-  out.noalias() = scores * v;  // pass 4
+  out.noalias() = scores * v.topRows(keys);  // pass 4
 }
 
 /// The naive kernel over all (b, query head) items; 16-bit inputs are widened once per head.
@@ -57,8 +66,8 @@ void run_naive(const KernelPlan& plan,
                const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
                const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
                const Mask<compute_scalar_t<TQ>>& mask, compute_scalar_t<TQ> scale,
-               compute_scalar_t<TQ>* weights,      // (B, Hq, Lq, Lk) or null
-               compute_scalar_t<TQ>* logsumexp) {  // (B, Hq, Lq) or null
+               compute_scalar_t<TQ>* weights,  // (B, Hq, Lq, Lk) or null (padded only)
+               const RowValues<compute_scalar_t<TQ>>& logsumexp) {  // (B, Hq, Lq) or null
   using T = compute_scalar_t<TQ>;
   const Index q_heads = q.heads, q_length = q.length, k_length = k.length;
   const Index group = q_heads / k.heads;
@@ -72,12 +81,13 @@ void run_naive(const KernelPlan& plan,
       plan.work_items, plan.parallel, [] { return Scratch(); },
       [&](Index item, Scratch& s) {
         const Index b = item / q_heads, h = item % q_heads;
-        naive_attention_head<T>(
-            s.q_head(q, b, h), s.k_head(k, b, h / group), s.v_head(v, b, h / group),
-            s.out_rows.rows(out.head(b, h), 0, q_length), mask, b, h, scale, s.scores,
-            weights != nullptr ? weights + item * q_length * k_length : nullptr,
-            logsumexp != nullptr ? logsumexp + item * q_length : nullptr);
-        s.out_rows.store(out.head(b, h), 0, q_length);
+        const Index rows = q.rows(b);
+        naive_attention_head<T>(s.q_head(q, b, h), s.k_head(k, b, h / group),
+                                s.v_head(v, b, h / group), s.out_rows.rows(out.head(b, h), 0, rows),
+                                mask, b, h, scale, s.scores,
+                                weights != nullptr ? weights + item * q_length * k_length : nullptr,
+                                logsumexp.head(b, h));
+        s.out_rows.store(out.head(b, h), 0, rows);
       });
 }
 

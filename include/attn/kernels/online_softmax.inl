@@ -51,18 +51,19 @@ struct Kernels {
       l[i] = l[i] * alpha[i] + sums[i];
   }
 
-  /// One query's output from `parts` partial online softmaxes (m_s, l_s, acc_s):
+  /// One query's output from `parts` partial online softmaxes (m_s, l_s, acc_s) and, when
+  /// `sink` is not null, a learned sink (a part with m = sink, l = 1 and acc = 0):
   ///   M = max_s m_s;  l = sum_s l_s exp(m_s - M);  out = sum_s acc_s exp(m_s - M) / l
   ///   logsumexp = M + log l
   /// m_s and l_s are `part_stride` apart; acc_s[e] is at acc[s * acc_part_stride +
   /// e * acc_stride]. A part that saw nothing (m_s = -inf and l_s = 0) is skipped (its acc
-  /// was never written); a query that saw nothing gets zeros and logsumexp -inf. NaN
-  /// propagates: a NaN score may leave m_s = -inf (vector maxima drop NaN), but its
-  /// probability makes l_s NaN, and then exp(m_s - M) or l_s makes the output NaN.
+  /// was never written); a query that saw nothing gets zeros and logsumexp -inf (the sink
+  /// with one). NaN propagates: a NaN score may leave m_s = -inf (vector maxima drop NaN),
+  /// but its probability makes l_s NaN, and then exp(m_s - M) or l_s makes the output NaN.
   template <class T>
   static void finish_query(Index parts, const T* m, const T* l, Index part_stride, const T* acc,
-                           Index acc_part_stride, Index acc_stride, Index value_dim, T* out,
-                           T* logsumexp) {  // (Dv), (1) or null
+                           Index acc_part_stride, Index acc_stride, Index value_dim, const T* sink,
+                           T* out, T* logsumexp) {  // (Dv), (1) or null
     constexpr T minus_inf = -std::numeric_limits<T>::infinity();
     const auto saw_nothing = [&](Index s) {
       return m[s * part_stride] == minus_inf && l[s * part_stride] == T(0);
@@ -73,6 +74,8 @@ struct Kernels {
       if (!saw_nothing(s) && (m_s > max || std::isnan(m_s)))  // once NaN, max stays NaN
         max = m_s;
     }
+    if (sink != nullptr && *sink > max)
+      max = *sink;
     T sum = 0;
     bool started = false;
     for (Index s = 0; s < parts; ++s) {
@@ -90,12 +93,15 @@ struct Kernels {
         started = true;
       }
     }
-    if (!started || sum == T(0)) {  // the query sees no key: zeros, logsumexp -inf
+    const T no_key = sink != nullptr ? *sink : minus_inf;
+    if (!started || sum == T(0)) {  // the query sees no key: zeros, logsumexp -inf or the sink
       std::fill(out, out + value_dim, T(0));
       if (logsumexp != nullptr)
-        *logsumexp = minus_inf;
+        *logsumexp = no_key;
       return;
     }
+    if (sink != nullptr)
+      sum += std::exp(*sink - max);
     const T inverse = T(1) / sum;
     for (Index e = 0; e < value_dim; ++e)
       out[e] *= inverse;
@@ -140,8 +146,11 @@ struct Kernels {
     constexpr T minus_inf = -std::numeric_limits<T>::infinity();
     const Index rows = q.rows(), i1 = i0 + rows, width = padded(rows);
     const Index dim = q.cols(), value_dim = v.cols();
-    const Index stride = workspace.q.cols();  // row stride of qt, st and ot
-    ATTN_ASSERT(rows > 0 && width <= stride && key_tile <= workspace.s.rows());
+    // Row stride of qt, st and ot: this tile's width, not the workspace's, so that a tile
+    // gives the same bits whatever the longest sequence of the call (Eigen's products round
+    // differently at different strides).
+    const Index stride = width;
+    ATTN_ASSERT(rows > 0 && width <= workspace.q.cols() && key_tile <= workspace.s.rows());
     T* m = workspace.m.data();
     T* l = workspace.l.data();
     T* ot = workspace.acc.data();
@@ -164,7 +173,11 @@ struct Kernels {
         const HeadMatrix<const T> k_tile = tile_rows<T, S>(k, j0, cols, workspace.k);
         scores(k_tile.data(), k_tile.outerStride(), cols, qt, stride, dim, width, st, stride,
                masked ? nullptr : tile_max);
-        if (masked && (mask.has_keep_mask() || mask.modifies_scores())) {
+        // Element by element for a keep-mask, changed scores, or sink tokens in the tile (a
+        // row's visible keys are then two intervals); else one interval per row.
+        const bool elementwise = mask.has_keep_mask() || mask.modifies_scores() ||
+                                 (mask.has_sink_tokens() && j0 < mask.sink_tokens());
+        if (masked && elementwise) {
           // the element-wise mask on (rows, cols) of scores, a column-major view of st
           Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>>
               scores_view(st, rows, cols, Eigen::OuterStride<>(stride));
@@ -193,7 +206,7 @@ struct Kernels {
     }
     for (Index r = 0; r < rows; ++r) {  // pass 3 (with Dv = 0, ot is an empty buffer: null)
       finish_query(1, m + r, l + r, 0, value_dim > 0 ? ot + r : ot, 0, stride, value_dim,
-                   out.row(r).data(), logsumexp != nullptr ? logsumexp + r : nullptr);
+                   mask.sink(h), out.row(r).data(), logsumexp != nullptr ? logsumexp + r : nullptr);
     }
   }
 
@@ -213,11 +226,14 @@ struct Kernels {
                            const Mask<T>& mask, T scale, Index b, Index kv_head, Index j0, Index j1,
                            Index key_block, Workspace<T>& workspace,
                            T* partial) {  // m (R), l (R), acc (R, Dv)
-    const Index group = q.heads / k.heads, q_length = q.length, rows = group * q_length;
+    // Partials are laid out for the longest sequence, R = G * q.length rows; this one's rows
+    // are r = g * Lq_b + i.
+    const Index group = q.heads / k.heads, q_length = q.rows(b), rows = group * q_length;
+    const Index layout_rows = group * q.length;
     const Index dim = q.dim, value_dim = v.dim;
     T* m = partial;
-    T* l = partial + rows;
-    T* acc = partial + 2 * rows;
+    T* l = partial + layout_rows;
+    T* acc = partial + 2 * layout_rows;
     std::fill_n(m, rows, -std::numeric_limits<T>::infinity());
     std::fill_n(l, rows, T(0));
 
@@ -282,24 +298,25 @@ struct Kernels {
   }
 
   /// Merges the `splits` partials of one (b, kv head) (consecutive, `partial_size` apart)
-  /// into out and logsumexp (B, Hq, Lq) (or null), in split order.
+  /// into out and logsumexp (or null), in split order.
   template <class T>
   static void merge_splits(const T* partials, Index splits, Index partial_size, Index b,
                            Index kv_head, Index group, const HeadsView<T>& out,  // (B, Hq, Lq, Dv)
-                           T* logsumexp) {
-    const Index q_length = out.length, rows = group * q_length, value_dim = out.dim;
+                           const Mask<T>& mask, const RowValues<T>& logsumexp) {
+    const Index q_length = out.rows(b), rows = group * q_length, value_dim = out.dim;
+    const Index layout_rows = group * out.length;
     for (Index r = 0; r < rows; ++r) {
       const Index h = kv_head * group + r / q_length, i = r % q_length;
-      T* lse = logsumexp != nullptr ? logsumexp + (b * out.heads + h) * q_length + i : nullptr;
+      T* lse = logsumexp.data != nullptr ? logsumexp.head(b, h) + i : nullptr;
       if (splits == 0) {  // Lk = 0: no partials to point into; the row sees no key
-        finish_query<T>(0, nullptr, nullptr, 0, nullptr, 0, 1, value_dim,
+        finish_query<T>(0, nullptr, nullptr, 0, nullptr, 0, 1, value_dim, mask.sink(h),
                         out.head(b, h).row(i).data(), lse);
         continue;
       }
       // NOLINTNEXTLINE(readability-suspicious-call-argument): the splits are the parts
-      finish_query(splits, partials + r, partials + rows + r, partial_size,
-                   partials + 2 * rows + r * value_dim, partial_size, 1, value_dim,
-                   out.head(b, h).row(i).data(), lse);
+      finish_query(splits, partials + r, partials + layout_rows + r, partial_size,
+                   partials + 2 * layout_rows + r * value_dim, partial_size, 1, value_dim,
+                   mask.sink(h), out.head(b, h).row(i).data(), lse);
     }
   }
 };
