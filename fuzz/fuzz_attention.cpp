@@ -6,9 +6,12 @@
 //   q  (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv)   B <= 3, Hkv <= 2, Hq/Hkv <= 2,
 //                                                              Lq, Lk <= 70, D, Dv <= 70
 //   float or double; every mask kind and combination (causal top_left / bottom_right, window,
-//   key_lengths, keep_mask and bias with any broadcast shape, -inf and +inf in the bias, ALiBi,
-//   softcap), scale, tile sizes; values uniform in [-2, 2] with a sprinkling of large values
-//   (up to 2^20) and of NaN; or, for some inputs, one invalid argument.
+//   key_lengths, query_lengths, sink tokens, keep_mask and bias with any broadcast shape, -inf
+//   and +inf in the bias, ALiBi, softcap, learned sinks), scale, tile sizes; values uniform in
+//   [-2, 2] with a sprinkling of large values (up to 2^20) and of NaN; or, for some inputs,
+//   one invalid argument. Without a keep-mask or bias, some inputs also run every kernel
+//   through the packed entry point (scaled_dot_product_attention_varlen_into) on the same
+//   sequences, checked by the same rules.
 //
 // Oracle (README, "Error contract"):
 //   - invalid argument: every kernel (and linear_attention, for the checks it shares) throws
@@ -117,6 +120,10 @@ enum class Invalid : int {
   scale,         // scale NaN
   tile,          // query_tile -1
   out_shape,     // out view of the wrong shape
+  query_count,   // query_lengths has B + 1 entries
+  sink_count,    // Hq + 1 sinks
+  sink_value,    // a sink of NaN or inf
+  sink_tokens,   // sink_tokens -1
   count
 };
 
@@ -140,6 +147,10 @@ struct Problem {
   std::vector<double> bias, alibi;
   double softcap = 0;  // 0 = none
   double scale = 0;    // 0 = default
+  std::vector<Index> query_lengths;
+  Index sink_tokens = 0;
+  std::vector<double> sinks;  // (Hq) learned sinks, or empty
+  bool packed = false;        // also run the packed entry point on the same sequences
   Index query_tile = 0, key_tile = 0;
   std::vector<double> q, k, v;  // (B, Hq, Lq, D), (B, Hkv, Lk', D), (B', Hkv, Lk, Dv)
   Index k_batch = 1, k_dim = 1, v_length = 1, out_dim = 1;
@@ -214,6 +225,18 @@ Problem decode(const std::uint8_t* data, std::size_t size) {
     p.scale = std::ldexp((scale & 2u) ? -1.0 : 1.0, static_cast<int>(scale >> 2) % 12 - 6);
   p.query_tile = in.in(0, 20);
   p.key_tile = in.in(0, 20);
+  const unsigned extras = in.byte();
+  if (extras & 1u) {
+    for (Index b = 0; b < p.batch; ++b)
+      p.query_lengths.push_back(in.in(0, p.q_length));
+  }
+  if (extras & 2u)
+    p.sink_tokens = in.in(1, 6);
+  if (extras & 4u) {
+    for (Index h = 0; h < p.q_heads; ++h)
+      p.sinks.push_back(static_cast<double>(in.byte()) / 32.0 - 4.0);
+  }
+  p.packed = (extras & 8u) != 0 && (masks & 48u) == 0;  // no keep-mask, no bias
 
   p.k_batch = p.batch;
   p.k_dim = p.dim;
@@ -234,6 +257,7 @@ Problem decode(const std::uint8_t* data, std::size_t size) {
       if (p.kv_heads == 1)
         p.invalid = Invalid::none;
       p.alibi.assign(p.alibi.empty() ? 0 : static_cast<std::size_t>(p.q_heads), 0.5);
+      p.sinks.assign(p.sinks.empty() ? 0 : static_cast<std::size_t>(p.q_heads), 0.5);
       p.keep_dims[1] = p.keep_dims[1] == 0 ? 0 : 1;
       p.bias_dims[1] = p.bias_dims[1] == 0 ? 0 : 1;
       break;
@@ -273,6 +297,23 @@ Problem decode(const std::uint8_t* data, std::size_t size) {
       break;
     case Invalid::out_shape:
       p.out_dim = p.value_dim + 1;
+      break;
+    case Invalid::query_count:
+      p.query_lengths.assign(static_cast<std::size_t>(p.batch + 1), 0);
+      break;
+    case Invalid::sink_count:
+      p.sinks.assign(static_cast<std::size_t>(p.q_heads + 1), 0.5);
+      break;
+    case Invalid::sink_value:
+      p.sinks.assign(static_cast<std::size_t>(p.q_heads), 0.5);
+      if (p.q_heads > 0)
+        p.sinks.back() = in.flag() ? std::numeric_limits<double>::quiet_NaN()
+                                   : -std::numeric_limits<double>::infinity();
+      else
+        p.invalid = Invalid::none;
+      break;
+    case Invalid::sink_tokens:
+      p.sink_tokens = -1;
       break;
     default:
       break;
@@ -369,6 +410,10 @@ struct Typed {
     options.causal = p.causal;
     options.window = p.window;
     options.key_lengths = p.key_lengths;
+    options.query_lengths = p.query_lengths;
+    options.sink_tokens = p.sink_tokens;
+    for (const double sink : p.sinks)
+      options.sinks.push_back(static_cast<S>(sink));
     if (p.keep_dims[0] > 0) {
       keep.resize(p.keep_dims[0], p.keep_dims[1], p.keep_dims[2], p.keep_dims[3]);
       for (Index n = 0; n < keep.size(); ++n)
@@ -403,6 +448,74 @@ struct Typed {
       return std::string("invalid_argument: ") + e.what();
     } catch (const std::exception& e) {
       return std::string("other exception: ") + e.what();
+    }
+    return "";
+  }
+
+  /// Runs one kernel through the packed entry point on the same sequences (n_q(b) queries,
+  /// n_k(b) keys each), its output laid out as run()'s: padding query rows hold 0 and a
+  /// log-sum-exp of -inf (the sink with one), as the reference has them.
+  std::string run_packed(const Problem& p, attn::Algorithm algorithm) {
+    const auto length = [](const std::vector<Index>& lengths, Index b, Index full) {
+      return lengths.empty() ? full : lengths[static_cast<std::size_t>(b)];
+    };
+    std::vector<Index> cu_q{0}, cu_k{0};
+    for (Index b = 0; b < p.batch; ++b) {
+      cu_q.push_back(cu_q.back() + length(p.query_lengths, b, p.q_length));
+      cu_k.push_back(cu_k.back() + length(p.key_lengths, b, p.k_length));
+    }
+    // (T, H, D) tokens from the padded (B, H, L, D) problem.
+    const auto pack = [&](const std::vector<S>& x, const std::vector<Index>& cu, Index heads,
+                          Index padded, Index dim) {
+      std::vector<S> r(static_cast<std::size_t>(cu.back() * heads * dim));
+      for (Index b = 0; b < p.batch; ++b)
+        for (Index t = 0; t < cu[static_cast<std::size_t>(b) + 1] - cu[static_cast<std::size_t>(b)];
+             ++t)
+          for (Index h = 0; h < heads; ++h)
+            for (Index d = 0; d < dim; ++d)
+              r[static_cast<std::size_t>(((cu[static_cast<std::size_t>(b)] + t) * heads + h) * dim +
+                                         d)] =
+                  x[static_cast<std::size_t>(((b * heads + h) * padded + t) * dim + d)];
+      return r;
+    };
+    const std::vector<S> qp = pack(q, cu_q, p.q_heads, p.q_length, p.dim);
+    const std::vector<S> kp = pack(k, cu_k, p.kv_heads, p.k_length, p.dim);
+    const std::vector<S> vp = pack(v, cu_k, p.kv_heads, p.k_length, p.value_dim);
+    std::vector<S> op(static_cast<std::size_t>(cu_q.back() * p.q_heads * p.value_dim), S(-7));
+    std::vector<S> lp(static_cast<std::size_t>(cu_q.back() * p.q_heads), S(-7));
+    attn::AttentionOptions<S> packed_options = options;
+    packed_options.algorithm = algorithm;
+    packed_options.key_lengths.clear();
+    packed_options.query_lengths.clear();
+    try {
+      attn::scaled_dot_product_attention_varlen_into<S>(
+          attn::blhd_view<const S>(qp.data(), 1, cu_q.back(), p.q_heads, p.dim),
+          attn::blhd_view<const S>(kp.data(), 1, cu_k.back(), p.kv_heads, p.dim),
+          attn::blhd_view<const S>(vp.data(), 1, cu_k.back(), p.kv_heads, p.value_dim),
+          attn::blhd_view<S>(op.data(), 1, cu_q.back(), p.q_heads, p.value_dim), cu_q, cu_k,
+          packed_options, lp.data());
+    } catch (const std::exception& e) {
+      return std::string("packed: ") + e.what();
+    }
+    out.assign(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length * p.value_dim), S(0));
+    lse.assign(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length),
+               -std::numeric_limits<S>::infinity());
+    for (Index b = 0; b < p.batch; ++b) {
+      const Index first = cu_q[static_cast<std::size_t>(b)];
+      for (Index h = 0; h < p.q_heads; ++h) {
+        for (Index i = 0; i < p.q_length; ++i) {
+          const std::size_t row = static_cast<std::size_t>((b * p.q_heads + h) * p.q_length + i);
+          if (i >= cu_q[static_cast<std::size_t>(b) + 1] - first) {
+            if (!p.sinks.empty())
+              lse[row] = static_cast<S>(p.sinks[static_cast<std::size_t>(h)]);
+            continue;
+          }
+          lse[row] = lp[static_cast<std::size_t>(h * cu_q.back() + first + i)];
+          for (Index e = 0; e < p.value_dim; ++e)
+            out[row * static_cast<std::size_t>(p.value_dim) + static_cast<std::size_t>(e)] =
+                op[static_cast<std::size_t>(((first + i) * p.q_heads + h) * p.value_dim + e)];
+        }
+      }
     }
     return "";
   }
@@ -468,6 +581,9 @@ attn_test::reference::Problem reference_problem(const Problem& p) {
   r.alibi_slopes.assign(p.alibi.begin(), p.alibi.end());
   if (p.softcap != 0)
     r.softcap = p.softcap;
+  r.query_lengths = p.query_lengths;
+  r.sink_tokens = p.sink_tokens;
+  r.sinks.assign(p.sinks.begin(), p.sinks.end());
   if (p.scale != 0)
     r.scale = p.scale;
   attn_test::round_numbers_to<T>(r);
@@ -488,7 +604,6 @@ std::vector<RowRule> row_rules(const Problem& p) {
   };
   const double scale = std::abs(p.scale != 0 ? p.scale : 1 / std::sqrt(static_cast<double>(p.dim)));
   const Index group = p.q_heads / p.kv_heads;
-  const Index offset = p.causal == attn::Causal::top_left ? 0 : p.k_length - p.q_length;
   std::vector<RowRule> rules(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
   for (Index b = 0; b < p.batch; ++b) {
     for (Index h = 0; h < p.q_heads; ++h) {
@@ -513,9 +628,10 @@ std::vector<RowRule> row_rules(const Problem& p) {
           for (Index d = 0; d < p.dim; ++d)
             dot += std::abs(q_row[d] * k_row[d]);
           const double bias = bias_at(b, h, i, j);
-          const double alibi = p.alibi.empty() ? 0.0
-                                               : p.alibi[static_cast<std::size_t>(h)] *
-                                                     static_cast<double>(std::abs(i + offset - j));
+          const double alibi = p.alibi.empty()
+                                   ? 0.0
+                                   : p.alibi[static_cast<std::size_t>(h)] *
+                                         static_cast<double>(std::abs(mask.diagonal(b, i) - j));
           if (std::isnan(dot) || std::isnan(bias) ||
               bias == std::numeric_limits<double>::infinity())
             nan_score = true;
@@ -569,13 +685,20 @@ void check_attention(const Problem& p) {
                          std::string(attn::algorithm_name(algorithm)) + "/" + attn::isa_name(isa)});
     }
   }
+  const std::size_t padded_kernels = kernels.size();
+  if (p.packed && p.invalid == Invalid::none) {
+    for (std::size_t n = 0; n < padded_kernels; ++n)
+      kernels.push_back({kernels[n].algorithm, kernels[n].isa, "packed " + kernels[n].name});
+  }
   const int kernel_count = static_cast<int>(kernels.size());
   std::string first_error;
   std::vector<std::vector<T>> outs(kernels.size()), lses(kernels.size());
   for (int n = 0; n < kernel_count; ++n) {
     const Kernel& kernel = kernels[static_cast<std::size_t>(n)];
     const attn::ScopedIsa forced(kernel.isa);
-    const std::string error = typed.run(p, kernel.algorithm);
+    const std::string error = static_cast<std::size_t>(n) < padded_kernels
+                                  ? typed.run(p, kernel.algorithm)
+                                  : typed.run_packed(p, kernel.algorithm);
     const std::string& name = kernel.name;
     if (p.invalid != Invalid::none) {
       if (error.rfind("invalid_argument: scaled_dot_product_attention: ", 0) != 0)
@@ -643,8 +766,15 @@ void check_attention(const Problem& p) {
     }
     const double lse_expected = static_cast<double>(truth.lse[row]);
     const bool nothing_seen = lse_expected == -std::numeric_limits<double>::infinity();
-    if (!rule.sees_keys && !nothing_seen)
-      fail(p, "row " + std::to_string(row) + " sees no key but its log-sum-exp is not -inf");
+    // A row without a finite visible score: zeros, log-sum-exp -inf (the sink with one).
+    bool no_weight = !rule.any_nan;
+    for (Index j = 0; j < p.k_length; ++j)
+      no_weight =
+          no_weight &&
+          truth.weights[row * static_cast<std::size_t>(p.k_length) + static_cast<std::size_t>(j)] ==
+              0;
+    if (!rule.sees_keys && !(no_weight && (nothing_seen || !p.sinks.empty())))
+      fail(p, "row " + std::to_string(row) + " sees no key but the reference gives it weights");
     for (int n = 0; n < kernel_count; ++n) {
       const std::string& name = kernels[static_cast<std::size_t>(n)].name;
       const double bound = 2 * plain_error + floor + cond;
@@ -659,7 +789,7 @@ void check_attention(const Problem& p) {
                       std::to_string(e) + " is " + std::to_string(actual) + ", reference " +
                       std::to_string(expected) + ", bound " + std::to_string(bound));
         }
-        if (nothing_seen && actual != 0.0)
+        if (no_weight && actual != 0.0)
           fail(p, std::string(name) + ": row " + std::to_string(row) + " sees no key, not 0");
       }
       if (rule.any_nan)
