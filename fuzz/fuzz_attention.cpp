@@ -376,7 +376,8 @@ Problem decode(const std::uint8_t* data, std::size_t size) {
       stderr,
       "fuzz_attention: %s\n  %s, B %ld, Hq %ld, Hkv %ld, Lq %ld, Lk %ld, D %ld, Dv %ld, "
       "causal %d, window (%ld, %ld), key_lengths %zu, keep [%ld %ld %ld %ld], bias "
-      "[%ld %ld %ld %ld], alibi %zu, softcap %g, scale %g, tiles %ld x %ld, invalid %d\n",
+      "[%ld %ld %ld %ld], alibi %zu, softcap %g, scale %g, tiles %ld x %ld, invalid %d, "
+      "query_lengths %zu, sink tokens %ld, sinks %zu, packed %d, nan %d\n",
       what.c_str(), p.use_double ? "double" : "float", static_cast<long>(p.batch),
       static_cast<long>(p.q_heads), static_cast<long>(p.kv_heads), static_cast<long>(p.q_length),
       static_cast<long>(p.k_length), static_cast<long>(p.dim), static_cast<long>(p.value_dim),
@@ -386,7 +387,9 @@ Problem decode(const std::uint8_t* data, std::size_t size) {
       static_cast<long>(p.keep_dims[3]), static_cast<long>(p.bias_dims[0]),
       static_cast<long>(p.bias_dims[1]), static_cast<long>(p.bias_dims[2]),
       static_cast<long>(p.bias_dims[3]), p.alibi.size(), p.softcap, p.scale,
-      static_cast<long>(p.query_tile), static_cast<long>(p.key_tile), static_cast<int>(p.invalid));
+      static_cast<long>(p.query_tile), static_cast<long>(p.key_tile), static_cast<int>(p.invalid),
+      p.query_lengths.size(), static_cast<long>(p.sink_tokens), p.sinks.size(),
+      static_cast<int>(p.packed), static_cast<int>(p.has_nan));
   std::abort();
 }
 

@@ -320,6 +320,28 @@ TEST_CASE("a row that sees no key outputs zeros and the sink as its log-sum-exp"
     REQUIRE(lse(0, 0, 2) == 1.25F);
     REQUIRE(lse(0, 1, 0) == -3.0F);
   }
+  // A sink that dominates so far that every weight underflows to 0: the row still sees its
+  // keys, so NaN in a value reaches its column (0 * NaN), in every kernel, as in naive.
+  {
+    attn::AttentionOptions<float> far;
+    attn::Tensor<float, 4> bias(1, 1, 1, 1);
+    bias.setConstant(-1e6F);
+    far.bias = bias;
+    far.sinks = {0.0F, 0.0F};
+    attn::Tensor<float, 4> v_nan = v;
+    v_nan(0, 0, 3, 1) = std::numeric_limits<float>::quiet_NaN();
+    for (const Algorithm algorithm : all_algorithms) {
+      INFO(attn::algorithm_name(algorithm));
+      far.algorithm = algorithm;
+      attn::Tensor<float, 3> lse;
+      const attn::Tensor<float, 4> out =
+          attn::scaled_dot_product_attention(q, k, v_nan, far, nullptr, &lse);
+      REQUIRE(out(0, 0, 2, 0) == 0.0F);
+      REQUIRE(std::isnan(out(0, 0, 2, 1)));
+      REQUIRE(out(0, 1, 2, 1) == 0.0F);  // head 1 reads kv head 1: no NaN
+      REQUIRE(lse(0, 0, 2) == 0.0F);
+    }
+  }
   // Weights: five equal scores s and a sink z give each key exp(s) / (5 exp(s) + exp(z)).
   options.key_lengths = {};
   options.algorithm = Algorithm::naive;

@@ -94,7 +94,10 @@ struct Kernels {
       }
     }
     const T no_key = sink != nullptr ? *sink : minus_inf;
-    if (!started || sum == T(0)) {  // the query sees no key: zeros, logsumexp -inf or the sink
+    // The query sees no key: zeros, logsumexp -inf or the sink. (With a sink, sum can also
+    // underflow to 0 when the sink dominates: then the weights are 0 and out = 0 * acc
+    // below, NaN where acc is, as naive's 0 * v.)
+    if (!started || (sum == T(0) && sink == nullptr)) {
       std::fill(out, out + value_dim, T(0));
       if (logsumexp != nullptr)
         *logsumexp = no_key;
