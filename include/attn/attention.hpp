@@ -224,18 +224,9 @@ void varlen_attention_into(const HeadsView<const TQ>& q,            // (1, Hq, T
     per_sequence.query_lengths[b] = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
     per_sequence.key_lengths[b] = cu_seqlens_k[b + 1] - cu_seqlens_k[b];
   }
-  const auto packed = [&](auto view, const std::vector<Index>& offsets) {
-    view.batch = batch;
-    view.batch_stride = 0;
-    view.row_offsets = offsets.data();
-    view.length = 0;
-    for (Index b = 0; b < batch; ++b)
-      view.length = std::max(view.length, view.rows(b));
-    return view;
-  };
-  const HeadsView<const TQ> qp = packed(q, cu_seqlens_q);
-  const HeadsView<const TKV> kp = packed(k, cu_seqlens_k), vp = packed(v, cu_seqlens_k);
-  const HeadsView<TO> outp = packed(out, cu_seqlens_q);
+  const HeadsView<const TQ> qp = packed_view(q, cu_seqlens_q);
+  const HeadsView<const TKV> kp = packed_view(k, cu_seqlens_k), vp = packed_view(v, cu_seqlens_k);
+  const HeadsView<TO> outp = packed_view(out, cu_seqlens_q);
   const Mask<T> mask(function, batch, q.heads, qp.length, kp.length, per_sequence);
   const KernelPlan plan =
       plan_attention<T>({batch, q.heads, k.heads, qp.length, kp.length, q.dim, v.dim},

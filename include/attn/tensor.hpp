@@ -62,9 +62,9 @@ HeadMatrixT middle_rows(HeadMatrixT m, Index first, Index count) {
 /// A (B, H, L, D) view over strided memory: free strides for B, H and L, unit stride for D.
 /// `T` is `const S` for inputs and `S` for outputs. Non-owning: the memory must outlive it.
 ///
-/// A packed view (packed_view()) holds B sequences of different lengths one after another
-/// in (T, H, D) memory: `row_offsets` (B + 1 entries, FlashAttention's cu_seqlens) gives
-/// where each starts, sequence b has rows(b) rows and `length` is the longest.
+/// A packed view (detail::packed_view()) holds B sequences of different lengths one after
+/// another in (T, H, D) memory: `row_offsets` (B + 1 entries, FlashAttention's cu_seqlens)
+/// gives where each starts, sequence b has rows(b) rows and `length` is the longest.
 template <class T>
 struct HeadsView {
   T* data = nullptr;
@@ -94,19 +94,21 @@ struct HeadsView {
   }
 };
 
-/// Packed (T, H, D) memory as a view of B = offsets.size() - 1 sequences; sequence b is rows
-/// [offsets[b], offsets[b + 1]). `offsets` must outlive the view; it is not validated here
-/// (scaled_dot_product_attention_varlen_into does).
-template <class T>
-HeadsView<T> packed_view(T* data, Index heads, Index dim, const std::vector<Index>& offsets) {
-  Index longest = 0;
-  for (std::size_t b = 0; b + 1 < offsets.size(); ++b)
-    longest = std::max(longest, offsets[b + 1] - offsets[b]);
-  const Index batch = offsets.empty() ? 0 : static_cast<Index>(offsets.size()) - 1;
-  return {data, batch, heads, longest, dim, 0, dim, heads * dim, offsets.data()};
-}
-
 namespace detail {
+
+/// The view `tokens` (1, H, T, D) of all tokens as B = offsets.size() - 1 packed sequences,
+/// sequence b being rows [offsets[b], offsets[b + 1]). `offsets` must outlive the view and
+/// is not validated here (scaled_dot_product_attention_varlen_into does).
+template <class T>
+HeadsView<T> packed_view(HeadsView<T> tokens, const std::vector<Index>& offsets) {
+  tokens.batch = offsets.empty() ? 0 : static_cast<Index>(offsets.size()) - 1;
+  tokens.batch_stride = 0;
+  tokens.row_offsets = offsets.data();
+  tokens.length = 0;
+  for (Index b = 0; b < tokens.batch; ++b)
+    tokens.length = std::max(tokens.length, tokens.rows(b));
+  return tokens;
+}
 
 /// Where the kernels write per-row values (the log-sum-exp): (B, H, L) contiguous for padded
 /// problems, (H, T) for packed ones (FlashAttention's varlen layout); null = not wanted.
