@@ -184,28 +184,26 @@ void eigen_out_proj_gemm(benchmark::State& state) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv))
-    return 1;
-  validate(shape());  // the forward must equal its parts before anything is timed
-  attn_bench::register_fma_peak();
-  benchmark::RegisterBenchmark("mha_forward", mha_forward)
-      ->Unit(benchmark::kMillisecond)
-      ->UseRealTime();
-  benchmark::RegisterBenchmark("qkv_gemm", qkv_gemm)->Unit(benchmark::kMillisecond)->UseRealTime();
-  benchmark::RegisterBenchmark("attention_only", attention_only)
-      ->Unit(benchmark::kMillisecond)
-      ->UseRealTime();
-  benchmark::RegisterBenchmark("out_proj_gemm", out_proj_gemm)
-      ->Unit(benchmark::kMillisecond)
-      ->UseRealTime();
-  benchmark::RegisterBenchmark("eigen_qkv_gemm", eigen_qkv_gemm)
-      ->Unit(benchmark::kMillisecond)
-      ->UseRealTime();
-  benchmark::RegisterBenchmark("eigen_out_proj_gemm", eigen_out_proj_gemm)
-      ->Unit(benchmark::kMillisecond)
-      ->UseRealTime();
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return attn_bench::run(argc, argv, [] {
+    validate(shape());  // the forward must equal its parts before anything is timed
+    attn_bench::register_fma_peak();
+    benchmark::RegisterBenchmark("mha_forward", mha_forward)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("qkv_gemm", qkv_gemm)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("attention_only", attention_only)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("out_proj_gemm", out_proj_gemm)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("eigen_qkv_gemm", eigen_qkv_gemm)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("eigen_out_proj_gemm", eigen_out_proj_gemm)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  });
 }

@@ -9,6 +9,8 @@
 //                      instruction set the CPU has, whatever the binary's flags: every binary
 //                      that reports a fraction of peak registers this same probe, so that
 //                      the ceiling and the figure come from one run and one piece of code.
+//   run(argc, argv, register_benchmarks)  a bench's main: parse Google Benchmark's flags,
+//                      register (after parsing, so smoke() sizes apply), run
 //   register_fma_peak_isas  the same probe per instruction set, "fma_peak_isa/{avx2,avx512}/
 //                      threads:{1,2}", for the dispatched kernels (the CPU's sets only).
 #pragma once
@@ -203,6 +205,19 @@ inline void register_fma_peak_isas() {
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
   }
+}
+
+/// The main of every bench/*.cpp: Google Benchmark's flags first, then the benchmarks
+/// `register_benchmarks()` registers, then the run. Returns main's exit code.
+template <class Register>
+int run(int argc, char** argv, const Register& register_benchmarks) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv))
+    return 1;
+  register_benchmarks();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
 }
 
 }  // namespace attn_bench
