@@ -111,6 +111,48 @@ inline vec load_widened(const Eigen::bfloat16* src) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
+/// a * b - c, one rounding.
+inline vec fmsub(vec a, vec b, vec c) {
+  return _mm256_fmsub_ps(a, b, c);
+}
+/// a * b - c in the even lanes, a * b + c in the odd ones (one rounding each).
+inline vec fmaddsub(vec a, vec b, vec c) {
+  return _mm256_fmaddsub_ps(a, b, c);
+}
+/// [x1, x0, x3, x2, ...]: the two floats of every pair swapped.
+inline vec swap_pairs(vec x) {
+  return _mm256_permute_ps(x, 0xb1);
+}
+/// [p0, p0, p1, p1, p2, p2, p3, p3]: lanes / 2 floats, each twice.
+inline vec load_pairs(const float* p) {
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(p)),
+                                  _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+}
+
+/// dst[0:8) = x, rounded to the nearest (ties to even) storage value: the same bits as
+/// Eigen's scalar conversions, NaN included for bfloat16 (0x7fc0 with the sign).
+inline void store_narrowed(float* dst, vec x) {
+  _mm256_storeu_ps(dst, x);
+}
+inline void store_narrowed(Eigen::half* dst, vec x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store_narrowed(Eigen::bfloat16* dst, vec x) {
+  const ivec bits = _mm256_castps_si256(x);
+  const ivec high = _mm256_srli_epi32(bits, 16);
+  const ivec bias =
+      _mm256_add_epi32(_mm256_and_si256(high, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7fff));
+  const ivec rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  const ivec quiet_nan =
+      _mm256_or_si256(_mm256_and_si256(high, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7fc0));
+  const ivec nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  const ivec result = _mm256_blendv_epi8(rounded, quiet_nan, nan);
+  // 32 to 16 bits (every value fits): packus works per 128-bit half, so gather the halves
+  const ivec packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(result, result), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+}
+
 /// [base[0], base[stride], ..., base[7 stride]]; stride * 8 must fit in 32 bits.
 inline vec gather_strided(const float* base, Index stride) {
   const ivec offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),

@@ -141,6 +141,47 @@ inline vec load_widened(const Eigen::bfloat16* src) {
 #pragma GCC diagnostic ignored "-Wsign-conversion"
 #endif
 
+/// a * b - c, one rounding.
+inline vec fmsub(vec a, vec b, vec c) {
+  return _mm512_fmsub_ps(a, b, c);
+}
+/// a * b - c in the even lanes, a * b + c in the odd ones (one rounding each).
+inline vec fmaddsub(vec a, vec b, vec c) {
+  return _mm512_fmaddsub_ps(a, b, c);
+}
+/// [x1, x0, x3, x2, ...]: the two floats of every pair swapped.
+inline vec swap_pairs(vec x) {
+  return _mm512_maskz_permute_ps(all_lanes, x, 0xb1);
+}
+/// [p0, p0, p1, p1, ..., p7, p7]: lanes / 2 floats, each twice.
+inline vec load_pairs(const float* p) {
+  const ivec twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  return _mm512_maskz_permutexvar_ps(all_lanes, twice, _mm512_maskz_loadu_ps(0xff, p));
+}
+
+/// dst[0:16) = x, rounded to the nearest (ties to even) storage value: the same bits as
+/// Eigen's scalar conversions, NaN included for bfloat16 (0x7fc0 with the sign).
+inline void store_narrowed(float* dst, vec x) {
+  _mm512_storeu_ps(dst, x);
+}
+inline void store_narrowed(Eigen::half* dst, vec x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm512_maskz_cvtps_ph(all_lanes, x, _MM_FROUND_TO_NEAREST_INT));
+}
+inline void store_narrowed(Eigen::bfloat16* dst, vec x) {
+  const ivec bits = _mm512_castps_si512(x);
+  const ivec high = _mm512_maskz_srli_epi32(all_lanes, bits, 16);
+  const ivec bias =
+      _mm512_add_epi32(_mm512_and_epi32(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
+  const ivec rounded = _mm512_maskz_srli_epi32(all_lanes, _mm512_add_epi32(bits, bias), 16);
+  const ivec quiet_nan =
+      _mm512_or_epi32(_mm512_and_epi32(high, _mm512_set1_epi32(0x8000)), _mm512_set1_epi32(0x7fc0));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const ivec result = _mm512_mask_mov_epi32(rounded, nan, quiet_nan);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm512_maskz_cvtepi32_epi16(all_lanes, result));
+}
+
 /// [base[0], base[stride], ..., base[15 stride]]; stride * 16 must fit in 32 bits.
 inline vec gather_strided(const float* base, Index stride) {
   const ivec offsets =
