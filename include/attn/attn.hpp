@@ -16,6 +16,7 @@
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
 #include "attn/projection.hpp"
+#include "attn/rope.hpp"
 #include "attn/score_modifiers.hpp"
 #include "attn/softmax.hpp"
 #include "attn/tensor.hpp"
