@@ -158,13 +158,8 @@ void packed_equals_each_sequence_alone() {
             }
           }
           // ... and that sequence against the independent reference.
-          attn_test::reference::Problem p;
-          p.q_heads = q_heads;
-          p.kv_heads = kv_heads;
-          p.q_length = nq;
-          p.k_length = nk;
-          p.dim = dim;
-          p.value_dim = value_dim;
+          attn_test::reference::Problem p =
+              attn_test::sized_problem(1, q_heads, kv_heads, nq, nk, dim, value_dim);
           p.causal = options.causal == Causal::top_left ? attn_test::reference::Causal::top_left
                      : options.causal == Causal::bottom_right
                          ? attn_test::reference::Causal::bottom_right

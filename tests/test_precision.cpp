@@ -37,14 +37,8 @@ using attn_test::reference::Problem;
 /// keys; causal top-left with ALiBi and softcap 5.
 Problem masked(int kind, Index batch, Index q_heads, Index kv_heads, Index q_length, Index k_length,
                Index dim, Index value_dim) {
-  Problem p;
-  p.batch = batch;
-  p.q_heads = q_heads;
-  p.kv_heads = kv_heads;
-  p.q_length = q_length;
-  p.k_length = k_length;
-  p.dim = dim;
-  p.value_dim = value_dim;
+  Problem p =
+      attn_test::sized_problem(batch, q_heads, kv_heads, q_length, k_length, dim, value_dim);
   switch (kind) {
     case 1:
       p.causal = attn_test::reference::Causal::bottom_right;

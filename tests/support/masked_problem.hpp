@@ -44,10 +44,9 @@ inline const char* const mask_kind_names[] = {
 };
 inline constexpr int mask_kinds = sizeof(mask_kind_names) / sizeof(mask_kind_names[0]);
 
-/// A problem of the given sizes under mask kind `kind`; masks and biases drawn from `rng`.
-inline reference::Problem masked_problem(Index batch, Index q_heads, Index kv_heads, Index q_length,
-                                         Index k_length, Index dim, Index value_dim, int kind,
-                                         std::mt19937& rng) {
+/// A problem of the given sizes with no mask.
+inline reference::Problem sized_problem(Index batch, Index q_heads, Index kv_heads, Index q_length,
+                                        Index k_length, Index dim, Index value_dim) {
   reference::Problem p;
   p.batch = batch;
   p.q_heads = q_heads;
@@ -56,6 +55,15 @@ inline reference::Problem masked_problem(Index batch, Index q_heads, Index kv_he
   p.k_length = k_length;
   p.dim = dim;
   p.value_dim = value_dim;
+  return p;
+}
+
+/// A problem of the given sizes under mask kind `kind`; masks and biases drawn from `rng`.
+inline reference::Problem masked_problem(Index batch, Index q_heads, Index kv_heads, Index q_length,
+                                         Index k_length, Index dim, Index value_dim, int kind,
+                                         std::mt19937& rng) {
+  reference::Problem p =
+      sized_problem(batch, q_heads, kv_heads, q_length, k_length, dim, value_dim);
   std::bernoulli_distribution keep(0.7), hide(0.1);
   std::normal_distribution<double> normal(0.0, 1.0);
   const auto lengths = [&](bool with_empty) {
