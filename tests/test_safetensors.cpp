@@ -59,6 +59,11 @@ struct TempFile {
   std::string str() const { return path.string(); }
 };
 
+/// The same n bytes (NaN payloads and signed zeros included, unlike ==).
+bool same_bytes(const void* a, const void* b, std::size_t n) {
+  return n == 0 || std::memcmp(a, b, n) == 0;
+}
+
 template <class T>
 std::uint64_t bits_of(const T& x) {
   if constexpr (sizeof(T) == 8) {
@@ -164,7 +169,7 @@ void check_conversions(const attn::SafetensorsFile& file, const json& t) {
       const attn::Matrix<T> m = file.read_matrix<T>(name);
       CHECK(m.rows() == shape[0]);
       CHECK(m.cols() == shape[1]);
-      CHECK(std::memcmp(m.data(), x.data(), flat.size() * sizeof(T)) == 0);
+      CHECK(same_bytes(m.data(), x.data(), flat.size() * sizeof(T)));
       break;
     }
     case 3: {
@@ -198,7 +203,7 @@ void check_views(const attn::SafetensorsFile& file, const json& t) {
     const attn::TensorMap<const T, 1> v = file.view<T, 1>(name);
     data = v.data();
     size = v.size();
-  } else if (shape.size() == 0) {
+  } else if (shape.empty()) {
     const attn::TensorMap<const T, 0> v = file.view<T, 0>(name);
     data = v.data();
     size = v.size();
@@ -231,7 +236,7 @@ void check_state_dicts_equal(const attn::StateDict<T>& a, const attn::StateDict<
     REQUIRE(b.count(name) == 1);
     CHECK(b.at(name).shape == t.shape);
     REQUIRE(b.at(name).data.size() == t.data.size());
-    CHECK(std::memcmp(b.at(name).data.data(), t.data.data(), t.data.size() * sizeof(T)) == 0);
+    CHECK(same_bytes(b.at(name).data.data(), t.data.data(), t.data.size() * sizeof(T)));
   }
 }
 
@@ -384,21 +389,21 @@ TEST_CASE("safetensors: every dtype round-trips bit for bit, every 16-bit patter
   CHECK(file.entry("b").dtype == DType::bf16);
 
   const attn::TensorMap<const Eigen::half, 2> hv = file.view<Eigen::half, 2>("h");
-  CHECK(std::memcmp(hv.data(), h.data(), 65536 * 2) == 0);
+  CHECK(same_bytes(hv.data(), h.data(), std::size_t{65536} * 2));
   const attn::Tensor<Eigen::bfloat16, 1> br = file.read<Eigen::bfloat16, 1>("b");
-  CHECK(std::memcmp(br.data(), b.data(), 65536 * 2) == 0);
-  CHECK(std::memcmp(file.view<Eigen::bfloat16, 1>("b").data(), b.data(), 65536 * 2) == 0);
+  CHECK(same_bytes(br.data(), b.data(), std::size_t{65536} * 2));
+  CHECK(same_bytes(file.view<Eigen::bfloat16, 1>("b").data(), b.data(), std::size_t{65536} * 2));
   const attn::Tensor<float, 3> fr = file.read<float, 3>("f");
-  CHECK(std::memcmp(fr.data(), f.data(), static_cast<std::size_t>(f.size()) * 4) == 0);
+  CHECK(same_bytes(fr.data(), f.data(), static_cast<std::size_t>(f.size()) * 4));
   const attn::Matrix<double> dr = file.read_matrix<double>("d");
-  CHECK(std::memcmp(dr.data(), d.data(), static_cast<std::size_t>(d.size()) * 8) == 0);
-  CHECK(std::memcmp(file.read_vector<float>("bias").data(), bias.data(), 5 * 4) == 0);
+  CHECK(same_bytes(dr.data(), d.data(), static_cast<std::size_t>(d.size()) * 8));
+  CHECK(same_bytes(file.read_vector<float>("bias").data(), bias.data(), sizeof(float) * 5));
 
   // Widening is exact: every F16 and BF16 pattern read as float and double.
   const std::vector<float> hf = file.read_values<float>("h");
   const std::vector<double> bd = file.read_values<double>("b");
   for (std::uint32_t i = 0; i < 65536; ++i) {
-    const float want_b = from_bits<float>(i << 16U);  // bfloat16 is float's top half
+    const auto want_b = from_bits<float>(i << 16U);  // bfloat16 is float's top half
     INFO("pattern 0x" << std::hex << i);
     if (std::isnan(want_b)) {
       CHECK(std::isnan(bd[i]));
@@ -490,7 +495,7 @@ TEST_CASE("safetensors: the writer's exact bytes", "[safetensors]") {
   CHECK(n == padded);
   CHECK(std::string(bytes.begin() + 8, bytes.begin() + 8 + static_cast<Index>(padded)) ==
         header + std::string(padded - header.size(), ' '));
-  CHECK(std::memcmp(bytes.data() + 8 + padded, t.data(), 24) == 0);
+  CHECK(same_bytes(bytes.data() + 8 + padded, t.data(), 24));
   // Names and values are escaped as JSON and written as UTF-8.
   const std::vector<std::uint8_t> odd =
       attn::safetensors_bytes({attn::safetensors_tensor("a\"b\\c\n\u00e9", t)}, {{"k", "\x01"}});
@@ -801,8 +806,8 @@ TEMPLATE_TEST_CASE("safetensors: a MultiHeadAttention saved and loaded back is t
   const attn::Tensor<T, 3> b = loaded.forward(q, k, v).output;
   const attn::Tensor<T, 3> c = rebuilt.forward(q, k, v).output;
   REQUIRE(a.size() == b.size());
-  CHECK(std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(T)) == 0);
-  CHECK(std::memcmp(a.data(), c.data(), static_cast<std::size_t>(a.size()) * sizeof(T)) == 0);
+  CHECK(same_bytes(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(T)));
+  CHECK(same_bytes(a.data(), c.data(), static_cast<std::size_t>(a.size()) * sizeof(T)));
 
   // Loaded into double, the weights widen exactly.
   attn::MultiHeadAttention<double> wide(config);

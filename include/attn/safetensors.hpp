@@ -270,7 +270,7 @@ inline TensorEntry parse_safetensors_entry(const std::string& where, const std::
     fail("no \"dtype\"");
   if (!dtype_it->is_string())
     fail("\"dtype\" is " + json_kind(*dtype_it) + ", not a string");
-  const std::string& dtype = dtype_it->get_ref<const std::string&>();
+  const auto& dtype = dtype_it->get_ref<const std::string&>();
   if (dtype == "F64") {
     entry.dtype = DType::f64;
   } else if (dtype == "F32") {
@@ -407,7 +407,7 @@ inline SafetensorsHeader parse_safetensors_header(const std::uint8_t* bytes, std
         --nesting;
         break;
       case Event::key: {
-        const std::string& key = parsed.get_ref<const std::string&>();
+        const auto& key = parsed.get_ref<const std::string&>();
         if (!keys.back().insert(key).second) {
           if (nesting == 1) {
             safetensors_fail(where, (key == "__metadata__" ? std::string("\"__metadata__\"")
@@ -591,7 +591,7 @@ class SafetensorsBytes {
 /// rounded 16-bit value (float keeps at least 2 more bits than half and bfloat16 in every
 /// range), where double -> float -> 16 bits, both to nearest, can round twice.
 inline float round_to_odd_float(double d) {
-  float f = static_cast<float>(d);
+  auto f = static_cast<float>(d);
   if (d != d || static_cast<double>(f) == d)  // NaN, or exact (zeros, infinities included)
     return f;
   if (std::abs(static_cast<double>(f)) > std::abs(d))
@@ -676,7 +676,7 @@ class SafetensorsFile {
 
   /// The file held in `bytes` (kept, not copied), checked like a file on disk.
   static SafetensorsFile from_bytes(std::vector<std::uint8_t> bytes) {
-    return SafetensorsFile(detail::SafetensorsBytes(std::move(bytes)), "");
+    return {detail::SafetensorsBytes(std::move(bytes)), ""};
   }
 
   /// The tensors, in the order of the header.
@@ -912,8 +912,8 @@ inline SafetensorsLayout safetensors_layout(const std::vector<SafetensorsTensor>
     const SafetensorsTensor& t = tensors[i];
     if (h.size() > 1)
       h += ",";
-    h += json_dump_strict(t.name, "tensor name " + json_quote(t.name)) + ":{\"dtype\":\"" +
-         dtype_name(t.dtype) + "\",\"shape\":[";
+    h += json_dump_strict(t.name, "tensor name " + json_quote(t.name)) + R"(:{"dtype":")" +
+         dtype_name(t.dtype) + R"(","shape":[)";
     for (std::size_t d = 0; d < t.shape.size(); ++d)
       h += (d == 0 ? "" : ",") + std::to_string(t.shape[d]);
     h += "],\"data_offsets\":[" + std::to_string(offset) + "," +
