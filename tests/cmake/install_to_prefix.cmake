@@ -1,5 +1,5 @@
 # Usage: cmake -DATTN_BUILD_DIR=<build> -DATTN_PREFIX=<prefix> [-DATTN_CONFIG=<cfg>]
-#              -P install_to_prefix.cmake
+#              [-DATTN_EXPECT_SAFETENSORS=1] -P install_to_prefix.cmake
 #
 # Wipes <prefix>, then runs `cmake --install <build> --prefix <prefix>`.
 # Used as the ctest setup fixture of the find_package() consumer test; the
@@ -27,13 +27,19 @@ endif()
 
 # What a header-only package installs: the headers, and its CMake and pkg-config files under
 # the architecture-independent data dir; nothing under lib/.
-foreach(expected
+set(expected_files
     "include/attn/attn.hpp"
     "include/attn/viz.hpp"
+    "include/attn/safetensors.hpp"
     "share/cmake/attn/attnConfig.cmake"
     "share/cmake/attn/attnConfigVersion.cmake"
     "share/cmake/attn/attnTargets.cmake"
     "share/pkgconfig/attn.pc")
+# attn::safetensors (attn/safetensors.hpp with nlohmann_json) when the build had it.
+if(ATTN_EXPECT_SAFETENSORS)
+  list(APPEND expected_files "share/cmake/attn/attnSafetensorsTargets.cmake")
+endif()
+foreach(expected IN LISTS expected_files)
   if(NOT EXISTS "${ATTN_PREFIX}/${expected}")
     message(FATAL_ERROR "install_to_prefix.cmake: ${ATTN_PREFIX}/${expected} was not installed")
   endif()

@@ -6,6 +6,11 @@
 // (ATTN_CONSUMER_EXPECT_OPENMP), unless attn sees OpenMP exactly when the consumer enabled it.
 #include <attn/attn.hpp>
 
+// attn/attn.hpp leaves out attn/safetensors.hpp, so attn::attn needs no JSON library.
+#ifdef INCLUDE_NLOHMANN_JSON_HPP_
+#error "attn/attn.hpp must not include nlohmann/json.hpp"
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <iostream>
