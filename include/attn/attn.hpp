@@ -1,6 +1,7 @@
-// attn/attn.hpp: the whole public API but the heatmaps. attn/viz.hpp is included on its
-// own: it needs floating-point std::to_chars (GCC 11, clang 14 with libstdc++ 11), the rest
-// of attn only C++17.
+// attn/attn.hpp: the whole public API but the heatmaps and the safetensors files, which are
+// included on their own: attn/viz.hpp needs floating-point std::to_chars (GCC 11, clang 14
+// with libstdc++ 11), attn/safetensors.hpp needs nlohmann/json (CMake: attn::safetensors);
+// the rest of attn only C++17 and Eigen.
 #pragma once
 
 #include "attn/attention.hpp"
