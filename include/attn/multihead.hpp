@@ -412,9 +412,9 @@ class MultiHeadAttention {
     project_rows(x_new, in.weight(), in.has_bias() ? in.bias().data() : nullptr, qkv.data(), length,
                  width);
     const HeadsView<const T> new_keys =
-        strided(qkv.data() + e, batch, length, kv_heads, d, length, width);
+        strided(column(qkv.data(), e), batch, length, kv_heads, d, length, width);
     const HeadsView<const T> new_values =
-        strided(qkv.data() + e + ekv, batch, length, kv_heads, d, length, width);
+        strided(column(qkv.data(), e + ekv), batch, length, kv_heads, d, length, width);
     if (has_rotary())
       cache.append(new_keys, new_values, rotary_);  // rotated once, on their way in
     else
@@ -498,15 +498,16 @@ class MultiHeadAttention {
     };
     if (has_rotary()) {  // each sequence's tokens at positions 0, 1, ... of their own
       for (const Index offset : {Index(0), e}) {
-        rotary_.apply(
-            detail::packed_view(HeadsView<T>{qkv.data() + offset, 1, offset == 0 ? heads : kv_heads,
-                                             tokens, d, 0, d, width},
-                                cu_seqlens));
+        rotary_.apply(detail::packed_view(
+            HeadsView<T>{column(qkv.data(), offset), 1, offset == 0 ? heads : kv_heads, tokens, d,
+                         0, d, width},
+            cu_seqlens));
       }
     }
     scaled_dot_product_attention_varlen_into<T>(
-        all(qkv.data(), heads), all(qkv.data() + e, kv_heads), all(qkv.data() + e + ekv, kv_heads),
-        blhd_view(merged.data(), 1, tokens, heads, d), cu_seqlens, cu_seqlens, attention);
+        all(qkv.data(), heads), all(column(qkv.data(), e), kv_heads),
+        all(column(qkv.data(), e + ekv), kv_heads), blhd_view(merged.data(), 1, tokens, heads, d),
+        cu_seqlens, cu_seqlens, attention);
     Tensor<T, 2> output(tokens, e);
     out_proj_.apply_into(ConstRowsMap<T>(merged.data(), tokens, e, Eigen::OuterStride<>(e)),
                          RowsMap<T>(output.data(), tokens, e, Eigen::OuterStride<>(e)));
@@ -548,11 +549,12 @@ class MultiHeadAttention {
           query, in_proj_.fused_linear().weight(),
           in_proj_.fused_linear().has_bias() ? in_proj_.fused_linear().bias().data() : nullptr,
           workspace.qkv.data(), rows_per_batch, width);
-      fill_extra_rows(workspace.qkv.data() + e, batch, k_length, rows_per_batch, width);
+      fill_extra_rows(column(workspace.qkv.data(), e), batch, k_length, rows_per_batch, width);
       qv = strided(workspace.qkv.data(), batch, q_length, heads, d, rows_per_batch, width);
-      kv = strided(workspace.qkv.data() + e, batch, kv_length, kv_heads, d, rows_per_batch, width);
-      vv = strided(workspace.qkv.data() + e + ekv, batch, kv_length, kv_heads, d, rows_per_batch,
+      kv = strided(column(workspace.qkv.data(), e), batch, kv_length, kv_heads, d, rows_per_batch,
                    width);
+      vv = strided(column(workspace.qkv.data(), e + ekv), batch, kv_length, kv_heads, d,
+                   rows_per_batch, width);
     } else {
       workspace.q.resize(batch * q_length, e);
       project_rows(query, in_proj_.wq(), in_proj_.bq(), workspace.q.data(), q_length, e);
@@ -566,13 +568,14 @@ class MultiHeadAttention {
         project_rows(key, wkv, in_proj_.bk(), workspace.kv.data(), kv_length, width);
       } else {
         project_rows(key, in_proj_.wk(), in_proj_.bk(), workspace.kv.data(), kv_length, width);
-        project_rows(value, in_proj_.wv(), in_proj_.bv(), workspace.kv.data() + ekv, kv_length,
-                     width);
+        project_rows(value, in_proj_.wv(), in_proj_.bv(), column(workspace.kv.data(), ekv),
+                     kv_length, width);
       }
       fill_extra_rows(workspace.kv.data(), batch, k_length, kv_length, width);
       qv = strided(workspace.q.data(), batch, q_length, heads, d, q_length, e);
       kv = strided(workspace.kv.data(), batch, kv_length, kv_heads, d, kv_length, width);
-      vv = strided(workspace.kv.data() + ekv, batch, kv_length, kv_heads, d, kv_length, width);
+      vv = strided(column(workspace.kv.data(), ekv), batch, kv_length, kv_heads, d, kv_length,
+                   width);
     }
 
     if (has_rotary()) {  // q at positions [0, L), k at [0, S); the views' memory is ours
@@ -738,6 +741,10 @@ class MultiHeadAttention {
                         " (B*H, L, S); " + shapes());
     }
   }
+
+  /// The column block at `offset` of a buffer; an empty buffer's null data stays null
+  /// (no arithmetic on a null pointer, e.g. for L = 0).
+  static T* column(T* data, Index offset) { return data == nullptr ? data : data + offset; }
 
   template <class U>
   static HeadsView<U> strided(U* data, Index batch, Index length, Index heads, Index dim,
