@@ -11,6 +11,12 @@
 // built token by token is copied O(log L) times, O(1) amortised per token; otherwise the
 // append throws and the cache is unchanged.
 //
+// Rotary position embeddings: append(keys, values, rotary) rotates new token t of sequence b
+// at position lengths[b] + t before storing it, so the cache holds rotated keys, each rotated
+// once (never again on later appends or growth). The queries are rotated by the caller at
+// the same positions (rotary.apply(q, lengths()) before the append); attend() itself knows
+// nothing of positions.
+//
 // attend() computes the attention of Lq new queries against every cached token with the
 // bottom-right causal alignment: the queries are the last Lq tokens of each sequence (they
 // must have been appended first), so query i of sequence b sees keys j <= lengths[b] - Lq + i.
@@ -31,6 +37,7 @@
 #include "attn/config.hpp"
 #include "attn/kernels/decode.hpp"
 #include "attn/mask.hpp"
+#include "attn/rope.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn {
@@ -106,61 +113,69 @@ class KVCache {
   void append(const HeadsView<const U>& keys,    // (B, Hkv, Lnew, D)
               const HeadsView<const U>& values,  // (B, Hkv, Lnew, Dv)
               const std::vector<Index>& counts = {}) {
+    check_append("KVCache::append", keys, values, counts);
+    store_all(keys, values, counts);
+  }
+
+  /// append() that first rotates the keys with `rotary` (RoPE): new token t of sequence b
+  /// turns by its position lengths()[b] + t, so the cache holds rotated keys and each key
+  /// is rotated exactly once, when it enters. The queries that attend to them must be
+  /// rotated at the same positions (rotary.apply(q, lengths()) before this call). The
+  /// rotation runs in compute_type on a copy of the new keys, then the keys are rounded to
+  /// S once; the caller's keys are not modified. Throws, leaving the cache unchanged, when
+  /// the table's head dim is not D or a new token's position is beyond its max_positions.
+  template <class U>
+  void append(const HeadsView<const U>& keys,    // (B, Hkv, Lnew, D)
+              const HeadsView<const U>& values,  // (B, Hkv, Lnew, Dv)
+              const RotaryEmbedding<compute_type>& rotary, const std::vector<Index>& counts = {}) {
     constexpr const char* function = "KVCache::append";
-    const auto shapes = [&] {
-      return "keys are " + detail::shape_string({keys.batch, keys.heads, keys.length, keys.dim}) +
-             ", values are " +
-             detail::shape_string({values.batch, values.heads, values.length, values.dim}) +
-             " and the cache is (B, Hkv, D, Dv) = " +
-             detail::shape_string({batch_, kv_heads_, dim_, value_dim_});
-    };
-    if (keys.batch != batch_ || values.batch != batch_)
-      detail::throw_invalid_argument(function, shapes() + ": batch sizes differ");
-    if (keys.heads != kv_heads_ || values.heads != kv_heads_)
-      detail::throw_invalid_argument(function, shapes() + ": head counts differ");
-    if (keys.dim != dim_ || values.dim != value_dim_)
-      detail::throw_invalid_argument(function, shapes() + ": head dims differ");
-    if (keys.length != values.length)
-      detail::throw_invalid_argument(function, shapes() + ": keys and values lengths differ");
-    const Index added = keys.length;
-    if (!counts.empty()) {
-      if (static_cast<Index>(counts.size()) != batch_) {
-        detail::throw_invalid_argument(function, "counts has " + std::to_string(counts.size()) +
-                                                     " entries but the batch size is " +
-                                                     std::to_string(batch_));
+    check_append(function, keys, values, counts);
+    if (rotary.dim() != dim_) {
+      detail::throw_invalid_argument(
+          function, rotary.dim() == 0
+                        ? std::string("the rotary embedding is empty (default-constructed)")
+                        : "the rotary embedding's head dim is " + std::to_string(rotary.dim()) +
+                              " but the cache's key head dim D is " + std::to_string(dim_));
+    }
+    // The new keys packed (sum of counts, Hkv, D) in C, sequence b's rows starting at
+    // offsets[b]: one apply() turns each sequence's rows from its own cached length.
+    std::vector<Index> offsets(static_cast<std::size_t>(batch_ + 1), 0);
+    for (Index b = 0; b < batch_; ++b) {
+      const Index first = lengths_[static_cast<std::size_t>(b)], n = count_of(keys, counts, b);
+      if (n > 0 && first > rotary.max_positions() - n) {
+        detail::throw_invalid_argument(
+            function, "sequence " + std::to_string(b) + " holds " + std::to_string(first) +
+                          " tokens: its " + std::to_string(n) + " new keys need positions [" +
+                          std::to_string(first) + ", " + std::to_string(first + n) +
+                          ") but the rotary table holds [0, " +
+                          std::to_string(rotary.max_positions()) + ")");
       }
-      for (std::size_t b = 0; b < counts.size(); ++b) {
-        if (counts[b] < 0 || counts[b] > added) {
-          detail::throw_invalid_argument(
-              function, "counts[" + std::to_string(b) + "] is " + std::to_string(counts[b]) +
-                            ": must lie in [0, Lnew] with Lnew = " + std::to_string(added));
+      offsets[static_cast<std::size_t>(b + 1)] = offsets[static_cast<std::size_t>(b)] + n;
+    }
+    const Index rows = offsets.back(), width = kv_heads_ * dim_;
+    std::vector<C> rotated(static_cast<std::size_t>(rows * width));
+    const HeadsView<C> packed =
+        detail::packed_view(blhd_view(rotated.data(), Index(1), rows, kv_heads_, dim_), offsets);
+    for (Index b = 0; b < batch_; ++b) {
+      for (Index h = 0; h < kv_heads_; ++h) {
+        const HeadMatrix<const U> from = keys.head(b, h);
+        HeadMatrix<C> to = packed.head(b, h);
+        for (Index r = 0; r < to.rows(); ++r) {
+          for (Index d = 0; d < dim_; ++d) {
+            if constexpr (is_16bit_scalar_v<U>)
+              to(r, d) = static_cast<C>(static_cast<float>(from(r, d)));
+            else
+              to(r, d) = static_cast<C>(from(r, d));
+          }
         }
       }
     }
-    const auto count = [&](Index b) {
-      return counts.empty() ? added : counts[static_cast<std::size_t>(b)];
-    };
-    Index needed = 0;
+    rotary.apply(packed, lengths_);
+    // The packed rows as (B, Hkv, Lnew, D): store_all reads the first counts[b] of each.
+    std::vector<Index> used(static_cast<std::size_t>(batch_));
     for (Index b = 0; b < batch_; ++b)
-      needed = std::max(needed, lengths_[static_cast<std::size_t>(b)] + count(b));
-    if (needed > capacity_) {
-      if (!allow_growth_) {
-        detail::throw_invalid_argument(
-            function, "appending " + std::to_string(added) + " tokens to lengths " +
-                          lengths_string() + " needs " + std::to_string(needed) +
-                          " rows but the capacity is " + std::to_string(capacity_) +
-                          " and allow_growth is off");
-      }
-      allocate(std::max(needed, 2 * capacity_));  // geometric: O(1) amortised per token
-    }
-    for (Index b = 0; b < batch_; ++b) {
-      const Index length = lengths_[static_cast<std::size_t>(b)], n = count(b);
-      for (Index h = 0; h < kv_heads_; ++h) {
-        store(keys, b, h, n, keys_.data() + row_offset(b, h, length, dim_), dim_);
-        store(values, b, h, n, values_.data() + row_offset(b, h, length, value_dim_), value_dim_);
-      }
-      lengths_[static_cast<std::size_t>(b)] = length + n;
-    }
+      used[static_cast<std::size_t>(b)] = count_of(keys, counts, b);
+    store_all(HeadsView<const C>(packed), values, used);
   }
 
   /// append() for rank-4 tensors or tensor maps (B, Hkv, Lnew, D) and (B, Hkv, Lnew, Dv).
@@ -168,6 +183,13 @@ class KVCache {
   void append(const TK& keys, const TV& values, const std::vector<Index>& counts = {}) {
     append<detail::rank4_scalar_t<TK>>(detail::as_heads_view(keys), detail::as_heads_view(values),
                                        counts);
+  }
+  /// The rotating append() for rank-4 tensors or tensor maps.
+  template <class TK, class TV, class = std::enable_if_t<detail::is_rank4_tensor_v<TK>>>
+  void append(const TK& keys, const TV& values, const RotaryEmbedding<compute_type>& rotary,
+              const std::vector<Index>& counts = {}) {
+    append<detail::rank4_scalar_t<TK>>(detail::as_heads_view(keys), detail::as_heads_view(values),
+                                       rotary, counts);
   }
 
   /// Attention of Lq new queries q (B, Hq, Lq, D), the last Lq tokens of every sequence,
@@ -259,6 +281,76 @@ class KVCache {
   }
 
   std::string lengths_string() const { return detail::list_string(lengths_); }
+
+  template <class U>
+  static Index count_of(const HeadsView<const U>& keys, const std::vector<Index>& counts, Index b) {
+    return counts.empty() ? keys.length : counts[static_cast<std::size_t>(b)];
+  }
+
+  /// The shape and counts checks of append(), before anything changes.
+  template <class U, class V>
+  void check_append(const char* function, const HeadsView<const U>& keys,
+                    const HeadsView<const V>& values, const std::vector<Index>& counts) const {
+    const auto shapes = [&] {
+      return "keys are " + detail::shape_string({keys.batch, keys.heads, keys.length, keys.dim}) +
+             ", values are " +
+             detail::shape_string({values.batch, values.heads, values.length, values.dim}) +
+             " and the cache is (B, Hkv, D, Dv) = " +
+             detail::shape_string({batch_, kv_heads_, dim_, value_dim_});
+    };
+    if (keys.batch != batch_ || values.batch != batch_)
+      detail::throw_invalid_argument(function, shapes() + ": batch sizes differ");
+    if (keys.heads != kv_heads_ || values.heads != kv_heads_)
+      detail::throw_invalid_argument(function, shapes() + ": head counts differ");
+    if (keys.dim != dim_ || values.dim != value_dim_)
+      detail::throw_invalid_argument(function, shapes() + ": head dims differ");
+    if (keys.length != values.length)
+      detail::throw_invalid_argument(function, shapes() + ": keys and values lengths differ");
+    if (!counts.empty()) {
+      if (static_cast<Index>(counts.size()) != batch_) {
+        detail::throw_invalid_argument(function, "counts has " + std::to_string(counts.size()) +
+                                                     " entries but the batch size is " +
+                                                     std::to_string(batch_));
+      }
+      for (std::size_t b = 0; b < counts.size(); ++b) {
+        if (counts[b] < 0 || counts[b] > keys.length) {
+          detail::throw_invalid_argument(
+              function, "counts[" + std::to_string(b) + "] is " + std::to_string(counts[b]) +
+                            ": must lie in [0, Lnew] with Lnew = " + std::to_string(keys.length));
+        }
+      }
+    }
+    Index needed = 0;
+    for (Index b = 0; b < batch_; ++b)
+      needed = std::max(needed, lengths_[static_cast<std::size_t>(b)] + count_of(keys, counts, b));
+    if (needed > capacity_ && !allow_growth_) {
+      detail::throw_invalid_argument(
+          function, "appending " + std::to_string(keys.length) + " tokens to lengths " +
+                        lengths_string() + " needs " + std::to_string(needed) +
+                        " rows but the capacity is " + std::to_string(capacity_) +
+                        " and allow_growth is off");
+    }
+  }
+
+  /// The first counts[b] (all, if counts is empty) rows of each sequence into the cache,
+  /// growing it when needed; the inputs have been checked.
+  template <class K, class V>
+  void store_all(const HeadsView<const K>& keys, const HeadsView<const V>& values,
+                 const std::vector<Index>& counts) {
+    Index needed = 0;
+    for (Index b = 0; b < batch_; ++b)
+      needed = std::max(needed, lengths_[static_cast<std::size_t>(b)] + count_of(keys, counts, b));
+    if (needed > capacity_)
+      allocate(std::max(needed, 2 * capacity_));  // geometric: O(1) amortised per token
+    for (Index b = 0; b < batch_; ++b) {
+      const Index length = lengths_[static_cast<std::size_t>(b)], n = count_of(keys, counts, b);
+      for (Index h = 0; h < kv_heads_; ++h) {
+        store(keys, b, h, n, keys_.data() + row_offset(b, h, length, dim_), dim_);
+        store(values, b, h, n, values_.data() + row_offset(b, h, length, value_dim_), value_dim_);
+      }
+      lengths_[static_cast<std::size_t>(b)] = length + n;
+    }
+  }
 
   /// Rows [0, n) of head (b, h) of `x` into `dst` (n contiguous rows of `dim`), as S.
   template <class U>

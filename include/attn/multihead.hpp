@@ -31,12 +31,20 @@
 //   bias_k, bias_v (1, 1, Ekv)   with add_bias_kv
 //   out_proj.weight (E, E), out_proj.bias (E)
 // With Hkv = H (the default) Ekv = E and these are exactly torch's shapes.
+//
+// Rotary position embeddings (config.rotary, off by default; attn/rope.hpp): q and k are
+// rotated after the input projection, before the attention, which torch's module does not
+// do (Llama-style models do). forward: query token i at position i, key j at position j;
+// forward_packed: positions restart at 0 in every sequence; forward_incremental: the new
+// keys are rotated once at lengths[b] + t as they enter the cache, the queries at the same
+// positions. Not combinable with add_bias_kv or add_zero_attn (those rows have no position).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -52,6 +60,7 @@
 #include "attn/mask.hpp"
 #include "attn/precision.hpp"
 #include "attn/projection.hpp"
+#include "attn/rope.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn {
@@ -67,6 +76,9 @@ struct MultiHeadAttentionConfig {
   bool add_bias_kv = false;    ///< append a learned key/value row (bias_k, bias_v) to k and v
   bool add_zero_attn = false;  ///< append a zero key/value row to k and v
   std::uint64_t seed = 0;      ///< seed of the default initialisation (std::mt19937_64)
+  /// Rotary position embeddings on q and k (none by default: torch's module). Its dim is
+  /// the head dim D = E / H (0 means D); rotary_dim, base, pairing, scaling as in RopeConfig.
+  std::optional<RopeConfig> rotary;
 };
 
 /// A non-owning view of a rank-2 or rank-3 row-major tensor (a mask argument). The data
@@ -309,6 +321,10 @@ class MultiHeadAttention {
   const Linear<T>& out_proj() const { return out_proj_; }
   const Vector<T>& bias_k() const { return bias_k_; }  ///< (Ekv) or empty
   const Vector<T>& bias_v() const { return bias_v_; }  ///< (Ekv) or empty
+  /// Whether q and k are rotated (config.rotary was set).
+  bool has_rotary() const { return config_.rotary.has_value(); }
+  /// The rotary table of config.rotary (default-constructed, empty, without one).
+  const RotaryEmbedding<C>& rotary() const { return rotary_; }
 
   /// Self-attention: query = key = value = x (B, L, E); takes the one-GEMM fused path.
   MultiHeadAttentionOutput<T> forward(const Tensor<T, 3>& x,
@@ -374,23 +390,49 @@ class MultiHeadAttention {
           "attention.causal, attention.key_lengths and attention.query_lengths must be unset: "
           "the cache applies the bottom-right causal mask and its own lengths");
     }
+    const std::vector<Index> positions = cache.lengths();  // (B) of the first new token
+    if (has_rotary()) {
+      for (Index b = 0; b < batch; ++b) {
+        const Index first = positions[static_cast<std::size_t>(b)];
+        if (length > 0 && first > rotary_.max_positions() - length) {
+          detail::throw_invalid_argument(
+              function, "sequence " + std::to_string(b) + " holds " + std::to_string(first) +
+                            " tokens: its " + std::to_string(length) +
+                            " new tokens need rotary positions [" + std::to_string(first) + ", " +
+                            std::to_string(first + length) + ") but the table holds [0, " +
+                            std::to_string(rotary_.max_positions()) +
+                            ") (config.rotary->max_positions)");
+        }
+      }
+    }
     // pass 1: q | k | v of the new tokens, one GEMM into (B, Lnew, E + 2*Ekv).
     const Index width = e + 2 * ekv;
     Matrix<T> qkv(batch * length, width);
     const Linear<T>& in = in_proj_.fused_linear();
     project_rows(x_new, in.weight(), in.has_bias() ? in.bias().data() : nullptr, qkv.data(), length,
                  width);
-    cache.append(strided(qkv.data() + e, batch, length, kv_heads, d, length, width),
-                 strided(qkv.data() + e + ekv, batch, length, kv_heads, d, length, width));
+    const HeadsView<const T> new_keys =
+        strided(column(qkv.data(), e), batch, length, kv_heads, d, length, width);
+    const HeadsView<const T> new_values =
+        strided(column(qkv.data(), e + ekv), batch, length, kv_heads, d, length, width);
+    if (has_rotary())
+      cache.append(new_keys, new_values, rotary_);  // rotated once, on their way in
+    else
+      cache.append(new_keys, new_values);
     // pass 2: attention against the whole cache, written as (B, Lnew, H, D) = (B, Lnew, E).
     Matrix<T> merged(batch * length, e);
     if constexpr (std::is_same_v<T, C>) {
-      cache.attend_into(strided(qkv.data(), batch, length, heads, d, length, width),
-                        blhd_view(merged.data(), batch, length, heads, d), attention);
+      if (has_rotary())
+        rotary_.apply(strided(qkv.data(), batch, length, heads, d, length, width), positions);
+      cache.attend_into(
+          strided(static_cast<const T*>(qkv.data()), batch, length, heads, d, length, width),
+          blhd_view(merged.data(), batch, length, heads, d), attention);
     } else {  // 16-bit T: the queries widened (exactly), the output rounded to T once
       Matrix<C> q_wide(batch * length, e), merged_wide(batch * length, e);
       for (Index r = 0; r < batch * length; ++r)
         detail::widen(qkv.row(r).data(), q_wide.row(r).data(), e);
+      if (has_rotary())  // rotated in float, not rounded to T again
+        rotary_.apply(strided(q_wide.data(), batch, length, heads, d, length, e), positions);
       cache.attend_into(
           strided(static_cast<const C*>(q_wide.data()), batch, length, heads, d, length, e),
           blhd_view(merged_wide.data(), batch, length, heads, d), attention);
@@ -428,6 +470,19 @@ class MultiHeadAttention {
           function, "x is " + detail::shape_string({tokens, x.dimension(1)}) +
                         " but embed_dim is " + std::to_string(e) + ": widths differ");
     }
+    if (has_rotary()) {  // checked here: the rotation runs before the attention checks them
+      detail::check_sequence_offsets(function, "cu_seqlens", cu_seqlens, tokens);
+      for (std::size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
+        const Index n = cu_seqlens[b + 1] - cu_seqlens[b];
+        if (n > rotary_.max_positions()) {
+          detail::throw_invalid_argument(
+              function, "sequence " + std::to_string(b) + " has " + std::to_string(n) +
+                            " tokens but the rotary table holds positions [0, " +
+                            std::to_string(rotary_.max_positions()) +
+                            ") (config.rotary->max_positions)");
+        }
+      }
+    }
     const Index width = e + 2 * ekv;
     Matrix<T> qkv(tokens, width);  // (T, E + 2*Ekv): q | k | v of every token
     const Linear<T>& in = in_proj_.fused_linear();
@@ -441,9 +496,18 @@ class MultiHeadAttention {
     const auto all = [&](const T* data, Index h) {
       return HeadsView<const T>{data, 1, h, tokens, d, 0, d, width};
     };
+    if (has_rotary()) {  // each sequence's tokens at positions 0, 1, ... of their own
+      for (const Index offset : {Index(0), e}) {
+        rotary_.apply(detail::packed_view(
+            HeadsView<T>{column(qkv.data(), offset), 1, offset == 0 ? heads : kv_heads, tokens, d,
+                         0, d, width},
+            cu_seqlens));
+      }
+    }
     scaled_dot_product_attention_varlen_into<T>(
-        all(qkv.data(), heads), all(qkv.data() + e, kv_heads), all(qkv.data() + e + ekv, kv_heads),
-        blhd_view(merged.data(), 1, tokens, heads, d), cu_seqlens, cu_seqlens, attention);
+        all(qkv.data(), heads), all(column(qkv.data(), e), kv_heads),
+        all(column(qkv.data(), e + ekv), kv_heads), blhd_view(merged.data(), 1, tokens, heads, d),
+        cu_seqlens, cu_seqlens, attention);
     Tensor<T, 2> output(tokens, e);
     out_proj_.apply_into(ConstRowsMap<T>(merged.data(), tokens, e, Eigen::OuterStride<>(e)),
                          RowsMap<T>(output.data(), tokens, e, Eigen::OuterStride<>(e)));
@@ -459,6 +523,13 @@ class MultiHeadAttention {
                     MultiHeadWorkspace<T>& workspace) const {
     constexpr const char* function = "MultiHeadAttention::forward";
     check_inputs(function, query, key, value, options);
+    if (has_rotary() && std::max(query.dimension(1), key.dimension(1)) > rotary_.max_positions()) {
+      detail::throw_invalid_argument(function, "query is " + shape3(query) + " and key is " +
+                                                   shape3(key) +
+                                                   " but the rotary table holds positions [0, " +
+                                                   std::to_string(rotary_.max_positions()) +
+                                                   ") (config.rotary->max_positions)");
+    }
     const Index batch = query.dimension(0), q_length = query.dimension(1),
                 k_length = key.dimension(1);
     const Index extra = Index(config_.add_bias_kv) + Index(config_.add_zero_attn);
@@ -467,7 +538,7 @@ class MultiHeadAttention {
     const Index heads = config_.num_heads, kv_heads = config_.num_kv_heads;
 
     // pass 1: projections straight into (B, L, H, D) / (B, S', Hkv, D) memory.
-    HeadsView<const T> qv, kv, vv;
+    HeadsView<T> qv, kv, vv;  // into the workspace (the rotation writes them)
     const bool self = query.data() == key.data() && query.data() == value.data() &&
                       q_length == k_length && in_proj_.is_fused();
     if (self) {
@@ -478,11 +549,12 @@ class MultiHeadAttention {
           query, in_proj_.fused_linear().weight(),
           in_proj_.fused_linear().has_bias() ? in_proj_.fused_linear().bias().data() : nullptr,
           workspace.qkv.data(), rows_per_batch, width);
-      fill_extra_rows(workspace.qkv.data() + e, batch, k_length, rows_per_batch, width);
+      fill_extra_rows(column(workspace.qkv.data(), e), batch, k_length, rows_per_batch, width);
       qv = strided(workspace.qkv.data(), batch, q_length, heads, d, rows_per_batch, width);
-      kv = strided(workspace.qkv.data() + e, batch, kv_length, kv_heads, d, rows_per_batch, width);
-      vv = strided(workspace.qkv.data() + e + ekv, batch, kv_length, kv_heads, d, rows_per_batch,
+      kv = strided(column(workspace.qkv.data(), e), batch, kv_length, kv_heads, d, rows_per_batch,
                    width);
+      vv = strided(column(workspace.qkv.data(), e + ekv), batch, kv_length, kv_heads, d,
+                   rows_per_batch, width);
     } else {
       workspace.q.resize(batch * q_length, e);
       project_rows(query, in_proj_.wq(), in_proj_.bq(), workspace.q.data(), q_length, e);
@@ -496,13 +568,19 @@ class MultiHeadAttention {
         project_rows(key, wkv, in_proj_.bk(), workspace.kv.data(), kv_length, width);
       } else {
         project_rows(key, in_proj_.wk(), in_proj_.bk(), workspace.kv.data(), kv_length, width);
-        project_rows(value, in_proj_.wv(), in_proj_.bv(), workspace.kv.data() + ekv, kv_length,
-                     width);
+        project_rows(value, in_proj_.wv(), in_proj_.bv(), column(workspace.kv.data(), ekv),
+                     kv_length, width);
       }
       fill_extra_rows(workspace.kv.data(), batch, k_length, kv_length, width);
       qv = strided(workspace.q.data(), batch, q_length, heads, d, q_length, e);
       kv = strided(workspace.kv.data(), batch, kv_length, kv_heads, d, kv_length, width);
-      vv = strided(workspace.kv.data() + ekv, batch, kv_length, kv_heads, d, kv_length, width);
+      vv = strided(column(workspace.kv.data(), ekv), batch, kv_length, kv_heads, d, kv_length,
+                   width);
+    }
+
+    if (has_rotary()) {  // q at positions [0, L), k at [0, S); the views' memory is ours
+      rotary_.apply(qv);
+      rotary_.apply(kv);
     }
 
     // Masks, translated to the SDPA conventions (keep-mask: true = may attend).
@@ -592,6 +670,28 @@ class MultiHeadAttention {
       detail::throw_invalid_argument(function, "kdim " + std::to_string(c.kdim) + " and vdim " +
                                                    std::to_string(c.vdim) + " must be positive");
     }
+    if (c.rotary) {
+      const Index d = c.embed_dim / c.num_heads;
+      if (c.rotary->dim == 0)
+        c.rotary->dim = d;
+      if (c.rotary->dim != d) {
+        detail::throw_invalid_argument(
+            function, "rotary->dim " + std::to_string(c.rotary->dim) +
+                          " differs from the head dim " + std::to_string(d) + " (embed_dim " +
+                          std::to_string(c.embed_dim) + " / num_heads " +
+                          std::to_string(c.num_heads) + "; 0 means the head dim)");
+      }
+      if (c.add_bias_kv || c.add_zero_attn) {
+        detail::throw_invalid_argument(function,
+                                       "rotary cannot be combined with add_bias_kv or "
+                                       "add_zero_attn: the appended key rows have no position");
+      }
+      try {
+        rotary_ = RotaryEmbedding<C>(*c.rotary);
+      } catch (const std::invalid_argument& error) {  // RopeConfig's own checks
+        detail::throw_invalid_argument(function, std::string("rotary: ") + error.what());
+      }
+    }
   }
 
   void check_inputs(const char* function, const Tensor<T, 3>& query, const Tensor<T, 3>& key,
@@ -642,9 +742,13 @@ class MultiHeadAttention {
     }
   }
 
+  /// The column block at `offset` of a buffer; an empty buffer's null data stays null
+  /// (no arithmetic on a null pointer, e.g. for L = 0).
+  static T* column(T* data, Index offset) { return data == nullptr ? data : data + offset; }
+
   template <class U>
-  static HeadsView<const U> strided(const U* data, Index batch, Index length, Index heads,
-                                    Index dim, Index rows_per_batch, Index row_stride) {
+  static HeadsView<U> strided(U* data, Index batch, Index length, Index heads, Index dim,
+                              Index rows_per_batch, Index row_stride) {
     return {data, batch, heads, length, dim, rows_per_batch * row_stride, dim, row_stride};
   }
 
@@ -757,6 +861,7 @@ class MultiHeadAttention {
   QKVProjection<T> in_proj_;   // fused (E, E + 2*Ekv) or separate Wq, Wk, Wv
   Linear<T> out_proj_;         // (E, E)
   Vector<T> bias_k_, bias_v_;  // (Ekv) with add_bias_kv
+  RotaryEmbedding<C> rotary_;  // config_.rotary's table, or empty
 };
 
 }  // namespace attn

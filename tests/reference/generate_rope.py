@@ -47,9 +47,21 @@ over b, h, t and pairs; the two must agree to 1e-12 (absolute; |x| < 4).
 Positions: a case has "offsets" (B; token t of sequence b at offsets[b] + t) or
 "positions" (B * L; token t of sequence b at positions[b * L + t]).
 
+Attention cases (attn::MultiHeadAttention with config.rotary)
+--------------------------------------------------------------
+Written from the formulas in torch float64: q = x Wq^T + bq, k = x Wk^T + bk,
+v = x Wv^T + bv (Wq, Wk, Wv the row blocks of in_proj_weight (E + 2 Ekv, E)),
+split into H query and Hkv key/value heads of D = E / H, q and k rotated as above
+(query token i at position i, key j at position j), every group of H / Hkv query
+heads reading one key/value head (repeat_interleave), softmax(q k^T / sqrt(D))
+with keys j > i hidden when causal, heads merged, then x Wo^T + bo. A packed case
+holds several sequences one after another (cu_seqlens); each is computed alone,
+its positions starting at 0. Cross-check: NumPy loops over b and h, the rotation
+by rotate_loops, must agree to 1e-12.
+
 File: rope.json
 ---------------
-  {"cases": [case, ...]}
+  {"cases": [case, ...], "attention_cases": [attention case, ...]}
   case: name, dim, rotary_dim, base, pairing ("half_split" | "interleaved"),
         max_positions, scaling ("none" | "linear" | "ntk_aware" | "yarn" | "llama3"),
         factor, original_max_positions, beta_fast, beta_slow, attention_factor
@@ -57,6 +69,12 @@ File: rope.json
         high_freq_factor, offsets or positions,
         frequencies (R/2), expected_attention_factor,
         x (B, H, L, D), out (B, H, L, D)
+  attention case: name, the rope fields above (dim = D), embed_dim, num_heads,
+        num_kv_heads, bias, causal, state_dict {in_proj_weight (E + 2 Ekv, E),
+        out_proj.weight (E, E), and with bias in_proj_bias, out_proj.bias}, then
+        either query (B, L, E), key and value (B, S, E) (null for self-attention:
+        query is all three) and output (B, L, E), or x (T, E), cu_seqlens (B + 1)
+        and output (T, E) (packed)
 Tensors are {"shape", "data"} (flat, row-major), floats written with repr so
 they round-trip exactly, compact JSON.
 """
@@ -253,13 +271,143 @@ def build_cases():
     ]
 
 
+def half_values(rng, shape, scale):
+    return torch.tensor((rng.uniform(-scale, scale, size=shape)).astype(np.float16)
+                        .astype(np.float64))
+
+
+def attention_torch(c, sd, query, key, value):
+    """Rotary multi-head attention in torch float64: (B, L, E), (B, S, E) -> (B, L, E)."""
+    e, h, hkv = c["embed_dim"], c["num_heads"], c["num_kv_heads"]
+    d, ekv = e // h, (e // h) * hkv
+    w = sd["in_proj_weight"]
+    bias = sd.get("in_proj_bias", torch.zeros(e + 2 * ekv))
+    batch, length, _ = query.shape
+    keys = key.shape[1]
+    q = (query @ w[:e].T + bias[:e]).reshape(batch, length, h, d).transpose(1, 2)
+    k = (key @ w[e:e + ekv].T + bias[e:e + ekv]).reshape(batch, keys, hkv, d).transpose(1, 2)
+    v = (value @ w[e + ekv:].T + bias[e + ekv:]).reshape(batch, keys, hkv, d).transpose(1, 2)
+    inv_freq, attention = frequencies(c)
+    at_zero = dict(c, offsets=[0] * batch)
+    q = rotate_torch(at_zero, q, inv_freq, attention)
+    k = rotate_torch(at_zero, k, inv_freq, attention)
+    k = torch.repeat_interleave(k, h // hkv, dim=1)
+    v = torch.repeat_interleave(v, h // hkv, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    if c["causal"]:
+        hidden = torch.ones(length, keys, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    merged = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(batch, length, e)
+    return merged @ sd["out_proj.weight"].T + sd.get("out_proj.bias", torch.zeros(e))
+
+
+def attention_loops(c, sd, query, key, value):
+    """The same with NumPy and plain loops over b and h (rotation by rotate_loops)."""
+    e, h, hkv = c["embed_dim"], c["num_heads"], c["num_kv_heads"]
+    d, ekv = e // h, (e // h) * hkv
+    w = sd["in_proj_weight"].numpy()
+    bias = sd["in_proj_bias"].numpy() if "in_proj_bias" in sd else np.zeros(e + 2 * ekv)
+    wo = sd["out_proj.weight"].numpy()
+    bo = sd["out_proj.bias"].numpy() if "out_proj.bias" in sd else np.zeros(e)
+    inv_freq, attention = frequencies(c)
+    batch, length, _ = query.shape
+    keys = key.shape[1]
+    out = np.zeros((batch, length, e))
+    for b in range(batch):
+        xq, xk = query[b].numpy(), key[b].numpy()
+        qp = xq @ w[:e].T + bias[:e]
+        kp = xk @ w[e:e + ekv].T + bias[e:e + ekv]
+        vp = value[b].numpy() @ w[e + ekv:].T + bias[e + ekv:]
+        merged = np.zeros((length, e))
+        for head in range(h):
+            g = head // (h // hkv)
+            one = dict(c, offsets=[0])
+            qh = rotate_loops(one, torch.tensor(qp[None, None, :, head * d:(head + 1) * d]),
+                              inv_freq, attention).numpy()[0, 0]
+            kh = rotate_loops(one, torch.tensor(kp[None, None, :, g * d:(g + 1) * d]),
+                              inv_freq, attention).numpy()[0, 0]
+            vh = vp[:, g * d:(g + 1) * d]
+            for i in range(length):
+                sc = np.array([qh[i] @ kh[j] / math.sqrt(d) for j in range(keys)])
+                if c["causal"]:
+                    sc[i + 1:] = -np.inf
+                p = np.exp(sc - sc.max())
+                merged[i, head * d:(head + 1) * d] = (p / p.sum()) @ vh
+        out[b] = merged @ wo.T + bo
+    return torch.tensor(out)
+
+
+def attention_case(name, embed_dim, num_heads, num_kv_heads, bias, causal, batch=1, length=0,
+                   keys=None, cu_seqlens=None, **rope_fields):
+    c = dict(DEFAULTS)
+    c.update(rope_fields)
+    d = embed_dim // num_heads
+    c.update(name=name, dim=d, embed_dim=embed_dim, num_heads=num_heads,
+             num_kv_heads=num_kv_heads, bias=bias, causal=causal)
+    c.setdefault("rotary_dim", d)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    ekv = d * num_kv_heads
+    sd = {"in_proj_weight": half_values(rng, (embed_dim + 2 * ekv, embed_dim), 0.5),
+          "out_proj.weight": half_values(rng, (embed_dim, embed_dim), 0.5)}
+    if bias:
+        sd["in_proj_bias"] = half_values(rng, (embed_dim + 2 * ekv,), 0.5)
+        sd["out_proj.bias"] = half_values(rng, (embed_dim,), 0.5)
+    c["state_dict"] = {k: tensor(v.numpy()) for k, v in sd.items()}
+
+    def both(query, key, value):
+        out = attention_torch(c, sd, query, key, value)
+        check = attention_loops(c, sd, query, key, value)
+        assert torch.max(torch.abs(out - check)).item() <= 1e-12, name
+        return out
+
+    if cu_seqlens is not None:
+        x = half_values(rng, (cu_seqlens[-1], embed_dim), 1.0)
+        parts = []
+        for b in range(len(cu_seqlens) - 1):
+            seq = x[cu_seqlens[b]:cu_seqlens[b + 1]][None]
+            if seq.shape[1] > 0:
+                parts.append(both(seq, seq, seq)[0])
+        c.update(x=tensor(x.numpy()), cu_seqlens=cu_seqlens,
+                 output=tensor(torch.cat(parts).numpy()))
+        return c
+    query = half_values(rng, (batch, length, embed_dim), 1.0)
+    if keys is None:
+        key = value = query
+        c.update(key=None, value=None)
+    else:
+        key = half_values(rng, (batch, keys, embed_dim), 1.0)
+        value = half_values(rng, (batch, keys, embed_dim), 1.0)
+        c.update(key=tensor(key.numpy()), value=tensor(value.numpy()))
+    c.update(query=tensor(query.numpy()), output=tensor(both(query, key, value).numpy()))
+    return c
+
+
+def build_attention_cases():
+    return [
+        # Llama's arrangement: grouped-query heads, causal, half-split pairing
+        attention_case("gqa_causal", 32, 4, 2, True, True, batch=2, length=7, max_positions=16),
+        # multi-query, partial interleaved rotation with YaRN's attention factor, no mask
+        attention_case("mqa_yarn_partial_interleaved", 48, 2, 1, False, False, batch=1, length=5,
+                       rotary_dim=16, pairing="interleaved", scaling="yarn", factor=4.0,
+                       original_max_positions=8, max_positions=32),
+        # cross-attention: queries at [0, L), keys at [0, S)
+        attention_case("cross", 32, 4, 4, True, False, batch=2, length=3, keys=6,
+                       max_positions=8),
+        # packed sequences (one empty): positions restart at 0 in each
+        attention_case("packed_gqa_causal", 32, 4, 2, True, True, cu_seqlens=[0, 4, 4, 9],
+                       max_positions=16),
+    ]
+
+
 def main():
     cases = build_cases()
+    attention_cases = build_attention_cases()
     path = os.path.join(HERE, "rope.json")
     with open(path, "w", encoding="utf-8", newline="\n") as fh:
-        fh.write(json.dumps({"cases": cases}, separators=(",", ":"), allow_nan=False))
+        fh.write(json.dumps({"cases": cases, "attention_cases": attention_cases},
+                            separators=(",", ":"), allow_nan=False))
         fh.write("\n")
-    for c in cases:
+    for c in cases + attention_cases:
         print("  %s" % c["name"])
     print("wrote %s (%d bytes)" % (os.path.relpath(path), os.path.getsize(path)))
 

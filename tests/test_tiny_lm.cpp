@@ -1,0 +1,154 @@
+// Tests for the tiny language model example (examples/tiny_lm/model.hpp): the committed
+// weights through attn's safetensors reader, RoPE, grouped-query heads and KV cache, against
+// tests/reference/tiny_lm.json, which examples/tiny_lm/train.py computes in torch float64 from
+// the same file: the prompt's logits, 200 greedy tokens (the whole sequence recomputed at
+// every step, no cache) and the last step's logits.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "../examples/tiny_lm/model.hpp"
+#include "support/fixtures.hpp"
+#include "support/instances.hpp"
+
+using attn::Index;
+using attn_test::json;
+using Catch::Matchers::Contains;
+
+namespace {
+
+const json& tiny_lm_fixture() {
+  return attn_test::fixture("tiny_lm.json");
+}
+
+const tiny_lm::Model& model() {
+  static const tiny_lm::Model m = [] {
+    const std::string path = std::string(ATTN_FIXTURE_DIR) + "/../../" +
+                             tiny_lm_fixture().at("model").get<std::string>();
+    const attn::SafetensorsFile file(path);
+    return tiny_lm::Model(file);
+  }();
+  return m;
+}
+
+std::vector<int> prompt_tokens() {
+  return tiny_lm_fixture().at("prompt_tokens").get<std::vector<int>>();
+}
+
+}  // namespace
+
+TEST_CASE("tiny_lm: the prompt's logits match torch float64 within 1e-4", "[tiny_lm]") {
+  const json& f = tiny_lm_fixture();
+  const std::vector<int> prompt = prompt_tokens();
+  REQUIRE(std::string(prompt.begin(), prompt.end()) == f.at("prompt").get<std::string>());
+  const std::vector<double> expected = attn_test::values_of(f.at("prompt_logits"));
+  REQUIRE(attn_test::shape_of(f.at("prompt_logits")) ==
+          std::vector<Index>{static_cast<Index>(prompt.size()), model().config().vocab_size});
+  SECTION("full forward") {
+    const tiny_lm::Matrix logits = model().forward(prompt);
+    ATTN_REQUIRE_CLOSE(logits.data(), logits.size(), expected, 1e-4);
+  }
+  SECTION("prefill through the KV cache") {
+    tiny_lm::Model::State state = model().new_state();
+    const tiny_lm::Matrix logits = model().step(state, prompt);
+    ATTN_REQUIRE_CLOSE(logits.data(), logits.size(), expected, 1e-4);
+    REQUIRE(state.length() == static_cast<Index>(prompt.size()));
+  }
+}
+
+TEST_CASE("tiny_lm: 200 greedy tokens with the KV cache are torch's", "[tiny_lm]") {
+  const json& f = tiny_lm_fixture();
+  const std::vector<int> expected = f.at("greedy_tokens").get<std::vector<int>>();
+  REQUIRE(expected.size() == 200);
+  // float32 logits differ from float64 by ~1e-5: the fixture's smallest top-2 gap must leave
+  // no argmax in doubt, or the comparison below would test luck.
+  REQUIRE(f.at("greedy_min_gap").get<double>() > 1e-3);
+  tiny_lm::Model::State state = model().new_state(16);  // grows while decoding
+  tiny_lm::Matrix logits = model().step(state, prompt_tokens());
+  std::vector<int> got;
+  for (std::size_t s = 0; s < expected.size(); ++s) {
+    const int next = tiny_lm::Model::argmax(logits.row(logits.rows() - 1));
+    got.push_back(next);
+    INFO("step " << s);
+    REQUIRE(next == expected[s]);
+    if (s + 1 < expected.size())
+      logits = model().step(state, {next});
+  }
+  REQUIRE(got == model().generate(prompt_tokens(), 200));
+  const std::vector<double> last = attn_test::values_of(f.at("last_logits"));
+  ATTN_REQUIRE_CLOSE(logits.data(), logits.size(), last, 1e-4);
+  REQUIRE(state.length() == static_cast<Index>(prompt_tokens().size() + expected.size() - 1));
+}
+
+TEST_CASE("tiny_lm: token-by-token and chunked decoding equal the full forward", "[tiny_lm]") {
+  std::vector<int> tokens = prompt_tokens();
+  const std::vector<int> greedy = tiny_lm_fixture().at("greedy_tokens").get<std::vector<int>>();
+  tokens.insert(tokens.end(), greedy.begin(), greedy.begin() + 30);
+  const tiny_lm::Matrix full = model().forward(tokens);
+  // the same float arithmetic in another order (decode kernel vs flash, GEMM shapes)
+  const double rtol = 2e-5;
+  SECTION("one token at a time") {
+    tiny_lm::Model::State state = model().new_state(4);
+    for (std::size_t t = 0; t < tokens.size(); ++t) {
+      const tiny_lm::Matrix row = model().step(state, {tokens[t]});
+      const std::vector<double> want(full.row(static_cast<Index>(t)).data(),
+                                     full.row(static_cast<Index>(t)).data() + full.cols());
+      INFO("token " << t);
+      ATTN_REQUIRE_CLOSE(row.data(), row.size(), want, rtol);
+    }
+  }
+  SECTION("in chunks of 7, 1 and 13 tokens") {
+    tiny_lm::Model::State state = model().new_state();
+    std::size_t t0 = 0;
+    for (const std::size_t n :
+         {std::size_t(7), std::size_t(1), std::size_t(13), tokens.size() - 21}) {
+      const std::vector<int> chunk(tokens.begin() + static_cast<std::ptrdiff_t>(t0),
+                                   tokens.begin() + static_cast<std::ptrdiff_t>(t0 + n));
+      const tiny_lm::Matrix rows = model().step(state, chunk);
+      const tiny_lm::Matrix want_rows =
+          full.middleRows(static_cast<Index>(t0), static_cast<Index>(n));
+      const std::vector<double> want(want_rows.data(), want_rows.data() + want_rows.size());
+      INFO("chunk at " << t0);
+      ATTN_REQUIRE_CLOSE(rows.data(), rows.size(), want, rtol);
+      t0 += n;
+    }
+  }
+}
+
+TEST_CASE("tiny_lm: bad tokens, lengths and metadata are rejected by message", "[tiny_lm]") {
+  REQUIRE_THROWS_WITH(model().forward({72, 256}),
+                      "tiny_lm::Model::forward: tokens[1] is 256: the vocabulary is [0, 256)");
+  tiny_lm::Model::State state = model().new_state();
+  REQUIRE_THROWS_WITH(model().step(state, {-1}),
+                      "tiny_lm::Model::step: tokens[0] is -1: the vocabulary is [0, 256)");
+  const std::vector<int> too_long(static_cast<std::size_t>(model().config().max_positions) + 1, 32);
+  REQUIRE_THROWS_WITH(model().step(state, too_long),
+                      "tiny_lm::Model::step: 0 + 1025 tokens exceed the model's max_positions "
+                      "1024");
+  tiny_lm::Model::State empty;
+  REQUIRE_THROWS_WITH(model().step(empty, {1}), Contains("the state is not this model's"));
+
+  std::map<std::string, std::string> metadata = {
+      {"vocab_size", "256"},     {"embed_dim", "64"},
+      {"layers", "4"},           {"heads", "4"},
+      {"kv_heads", "2"},         {"hidden_dim", "192"},
+      {"max_positions", "1024"}, {"rope_base", "10000.0"},
+      {"norm_eps", "1e-05"},     {"rope_pairing", "half_split"}};
+  REQUIRE(tiny_lm::Config::from_metadata(metadata).head_dim() == 16);
+  metadata["heads"] = "4.5";
+  REQUIRE_THROWS_WITH(tiny_lm::Config::from_metadata(metadata),
+                      "tiny_lm::Config: metadata \"heads\" is \"4.5\": it must be a positive "
+                      "integer");
+  metadata["heads"] = "4";
+  metadata["rope_pairing"] = "interleaved";
+  REQUIRE_THROWS_WITH(tiny_lm::Config::from_metadata(metadata),
+                      "tiny_lm::Config: rope_pairing is \"interleaved\" but the model is trained "
+                      "with half_split");
+  metadata.erase("norm_eps");
+  REQUIRE_THROWS_WITH(tiny_lm::Config::from_metadata(metadata),
+                      "tiny_lm::Config: the file's metadata has no \"norm_eps\"");
+}
