@@ -1120,10 +1120,10 @@ void check_gradient_aliasing(
 /// inputs or each other. Work is split over (batch, kv head) items with OpenMP, results
 /// bitwise identical for any thread count.
 ///
-/// Cost: about 2.5x the forward's FLOPs non-causal and 3x causal (dq, dk and dv each need a
-/// pass like the forward's). Extra memory per thread: the states S, z, R, r, 2 (M * Dv + M),
-/// chunk buffers C * (4 M + 2 Dv + 1) (+ 2 C^2 causal) and, causal only, u and c of every
-/// query row of the item: group * Lq * (Dv + 1), group = Hq / Hkv.
+/// Cost: about 3x the forward's GEMM FLOPs (dq, dk and dv each need a pass like the
+/// forward's). Extra memory per thread: the states S, z, R, r, 2 (M * Dv + M); chunk buffers
+/// C * (4 M + 2 Dv + 1), plus C * (Dv + 1) non-causal or 2 C^2 causal; and, causal only, u
+/// and c of every query row of the item: group * Lq * (Dv + 1), group = Hq / Hkv.
 template <class T>
 void linear_attention_backward_into(const HeadsView<const T>& q,     // (B, Hq, Lq, D)
                                     const HeadsView<const T>& k,     // (B, Hkv, Lk, D)
