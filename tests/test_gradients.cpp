@@ -539,7 +539,7 @@ TEST_CASE("linear_attention_backward rejects what the forward rejects, and more"
 
 // --- layers ------------------------------------------------------------------------------
 
-TEMPLATE_TEST_CASE("Linear::backward matches torch autograd", "[gradients]", float, double) {
+TEMPLATE_TEST_CASE("Linear::backward matches torch autograd", "[gradients][isa]", float, double) {
   using T = TestType;
   const double rtol = gradient_tolerance<T>();
   for (const json& c : ATTN_FIXTURE_CASES("gradients.json", "linear", 3)) {
@@ -624,7 +624,8 @@ void require_parameter_gradients(const attn::QKVProjectionGradients<T>& g, const
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("QKVProjection::backward matches torch autograd", "[gradients]", float, double) {
+TEMPLATE_TEST_CASE("QKVProjection::backward matches torch autograd", "[gradients][isa]", float,
+                   double) {
   using T = TestType;
   const double rtol = gradient_tolerance<T>();
   for (const json& c : ATTN_FIXTURE_CASES("gradients.json", "qkv", 6)) {
