@@ -7,7 +7,11 @@
 //     linear causal      the same plus the intra-chunk products, 8 * L * C * (2 M + 2 Dv + 1)
 //                        (C = chunk rows; the full (C, C) block is computed)
 //     flash              4 * 8 * D * (visible (query, key) pairs), as bench_attention.cpp
+//     linear backward    8 * (12 L M Dv + 6 L M): S and z again, then per query row out, d phi(q)
+//                        and R, r, per key d phi(k) and dv (about 3x the forward), causal
+//                        plus 8 * L * C * (8 M + 8 Dv) for the masked blocks of both passes
 //   time(L = 65536) / time(L = 4096) is the scaling figure (16 is linear).
+//   linear_backward / linear at the same (L, causal) is the backward's cost in forwards.
 //   The recurrent step: one LinearAttentionState per head, 8 steps per iteration, timed
 //   after `position` tokens have been absorbed.
 //
@@ -19,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <attn/attention.hpp>
@@ -124,6 +129,71 @@ void BM_linear(benchmark::State& state) {
                                                benchmark::Counter::kIsIterationInvariantRate);
 }
 
+double linear_backward_flops(Index l, bool causal, Index chunk) {
+  const double ld = static_cast<double>(l), m = kDim, dv = kDim;
+  double per_head = 12 * ld * m * dv + 6 * ld * m;
+  if (causal)
+    per_head += ld * static_cast<double>(chunk) * (8 * m + 8 * dv);
+  return static_cast<double>(kHeads) * per_head;
+}
+
+// The backward at the forward's shapes, dout ~ N(0, 1); before timing, head 0's dq, dk and dv
+// against the double-precision backward of the same inputs (which the tests check against
+// torch autograd).
+void BM_linear_backward(benchmark::State& state) {
+  const Index length = state.range(0);
+  const bool causal = state.range(1) != 0;
+  set_threads(1);
+  Inputs inputs(length);
+  std::vector<float> dout(inputs.q.size()), dq(inputs.q.size()), dk(inputs.q.size()),
+      dv(inputs.q.size());
+  attn_bench::fill_normal(dout, 4u);
+  attn::LinearAttentionOptions<float> options;
+  options.causal = causal ? attn::Causal::top_left : attn::Causal::none;
+  const auto view = [&](std::vector<float>& t) {
+    return attn::bhld_view(t.data(), Index(1), kHeads, length, kDim);
+  };
+  const auto run = [&] {
+    attn::linear_attention_backward_into<float>(inputs.view(inputs.q), inputs.view(inputs.k),
+                                                inputs.view(inputs.v), inputs.view(dout), view(dq),
+                                                view(dk), view(dv), options);
+  };
+  run();
+  {
+    const auto head0 = [&](const std::vector<float>& t) {
+      return attn::Matrix<double>(
+          attn::bhld_view(t.data(), Index(1), kHeads, length, kDim).head(0, 0).cast<double>());
+    };
+    attn::LinearAttentionOptions<double> reference;
+    reference.causal = options.causal;
+    const auto expected = attn::linear_attention_backward(head0(inputs.q), head0(inputs.k),
+                                                          head0(inputs.v), head0(dout), reference);
+    double worst = 0;
+    for (const auto& [actual, wanted] :
+         {std::pair<attn::Matrix<double>, const attn::Matrix<double>*>{head0(dq), &expected.dq},
+          {head0(dk), &expected.dk},
+          {head0(dv), &expected.dv}}) {
+      worst = std::max(
+          worst, ((actual - *wanted).array().abs() / wanted->array().abs().max(1.0)).maxCoeff());
+    }
+    if (!(worst < 1e-3)) {
+      state.SkipWithError(
+          ("differs from the float64 backward by " + std::to_string(worst)).c_str());
+      return;
+    }
+  }
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(dq.data());
+    benchmark::DoNotOptimize(dk.data());
+    benchmark::DoNotOptimize(dv.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] =
+      benchmark::Counter(linear_backward_flops(length, causal, attn::default_linear_chunk),
+                         benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void BM_flash(benchmark::State& state) {
   const Index length = state.range(0);
   const bool causal = state.range(1) != 0;
@@ -188,6 +258,13 @@ void register_all() {
   benchmark::RegisterBenchmark("linear", BM_linear)
       ->ArgNames({"L", "causal", "chunk"})
       ->ArgsProduct({lengths, {0, 1}, {attn::default_linear_chunk}})
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("linear_backward", BM_linear_backward)
+      ->ArgNames({"L", "causal"})
+      ->ArgsProduct({tiny ? std::vector<std::int64_t>{128}
+                          : std::vector<std::int64_t>{256, 1024, 4096, 16384, 65536},
+                     {0, 1}})
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
   if (!tiny) {  // the chunk size of the causal form

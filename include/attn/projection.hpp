@@ -16,11 +16,20 @@
 // "Matmul vs Einsum" check therefore prints False for its random weights. PyTorch's
 // (out x in) weight *is* applied as X @ W.T, so that einsum is the right formula for a
 // PyTorch-layout weight: Linear<T>::from_torch transposes once and the trap is gone.
+//
+// Backward (training): Linear::backward(x, dy) and QKVProjection::backward(x, dq, dk, dv)
+// need only the forward's input x and the gradient of the loss with respect to the output;
+// they return dx and the parameter gradients in PyTorch's names and layouts, so that they
+// compare one to one with torch's .grad: Linear's weight gradient is (out, in) like
+// nn.Linear.weight, QKVProjection's are named as MultiHeadAttention's state_dict
+// (in_proj_weight, or q_proj_weight / k_proj_weight / v_proj_weight, and in_proj_bias).
+//   dx = dy W^T,   weight grad = dy^T x  (out, in),   bias grad = sum of dy over the rows
 #pragma once
 
 #include <cstdint>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include <Eigen/Core>
@@ -72,6 +81,80 @@ void linear_into(const ConstRowsMap<T>& x,  // (N, in)
   }
 }
 
+/// The backward of linear_into: dx (N, in) = dy W^T [+ dx], weight_grad (out, in) = dy^T x
+/// [+ weight_grad] (torch's layout), bias_grad (out) = the column sums of dy [+ bias_grad];
+/// a null destination is not computed. Two GEMMs on attn's own kernels like the forward
+/// (Eigen's for double), each with one operand transposed into a packed copy first: extra
+/// memory (out, N) + (out, in) scalars. 16-bit data are widened to float, as in linear_into.
+template <class T>
+void linear_backward_into(const ConstRowsMap<T>& x,   // (N, in)
+                          const ConstRowsMap<T>& w,   // (in, out)
+                          const ConstRowsMap<T>& dy,  // (N, out)
+                          RowsMap<T>* dx,             // (N, in) or null
+                          bool accumulate_dx,
+                          RowsMap<T>* weight_grad,  // (out, in) or null
+                          T* bias_grad,             // (out) or null
+                          bool accumulate_parameters) {
+  ATTN_ASSERT(x.cols() == w.rows() && dy.cols() == w.cols() && dy.rows() == x.rows());
+  using C = compute_scalar_t<T>;
+  const Index n = x.rows(), in = w.rows(), out = w.cols();
+  if constexpr (std::is_same_v<T, C>) {
+    if (weight_grad != nullptr || bias_grad != nullptr) {
+      const Matrix<T> dy_t = dy.transpose();  // (out, N)
+      if (weight_grad != nullptr) {
+        ATTN_ASSERT(weight_grad->rows() == out && weight_grad->cols() == in);
+        gemm(active_isa(), out, in, n, dy_t.data(), n, x.data(), x.outerStride(),
+             weight_grad->data(), weight_grad->outerStride(), static_cast<const T*>(nullptr),
+             accumulate_parameters);
+      }
+      if (bias_grad != nullptr) {
+        Eigen::Map<Vector<T>> b(bias_grad, out);
+        if (accumulate_parameters)
+          b += dy_t.rowwise().sum();
+        else
+          b = dy_t.rowwise().sum();
+      }
+    }
+    if (dx != nullptr) {
+      ATTN_ASSERT(dx->rows() == n && dx->cols() == in);
+      const Matrix<T> w_t = w.transpose();  // (out, in): torch's layout
+      gemm(active_isa(), n, in, out, dy.data(), dy.outerStride(), w_t.data(), in, dx->data(),
+           dx->outerStride(), static_cast<const T*>(nullptr), accumulate_dx);
+    }
+  } else {
+    const Matrix<C> x_wide = x.template cast<C>(), w_wide = w.template cast<C>(),
+                    dy_wide = dy.template cast<C>();
+    const auto rows = [](const Matrix<C>& m) {
+      return ConstRowsMap<C>(m.data(), m.rows(), m.cols(), Eigen::OuterStride<>(m.cols()));
+    };
+    Matrix<C> dx_wide(dx != nullptr ? n : 0, in), wg_wide(weight_grad != nullptr ? out : 0, in);
+    Vector<C> bg_wide(bias_grad != nullptr ? out : 0);
+    RowsMap<C> dx_map(dx_wide.data(), dx_wide.rows(), in, Eigen::OuterStride<>(in));
+    RowsMap<C> wg_map(wg_wide.data(), wg_wide.rows(), in, Eigen::OuterStride<>(in));
+    linear_backward_into<C>(rows(x_wide), rows(w_wide), rows(dy_wide),
+                            dx != nullptr ? &dx_map : nullptr, false,
+                            weight_grad != nullptr ? &wg_map : nullptr,
+                            bias_grad != nullptr ? bg_wide.data() : nullptr, false);
+    // Added in the compute scalar, rounded once.
+    if (dx != nullptr) {
+      if (accumulate_dx)
+        dx_wide += dx->template cast<C>();
+      *dx = dx_wide.template cast<T>();
+    }
+    if (weight_grad != nullptr) {
+      if (accumulate_parameters)
+        wg_wide += weight_grad->template cast<C>();
+      *weight_grad = wg_wide.template cast<T>();
+    }
+    if (bias_grad != nullptr) {
+      Eigen::Map<Vector<T>> b(bias_grad, out);
+      if (accumulate_parameters)
+        bg_wide += b.template cast<C>();
+      b = bg_wide.template cast<T>();
+    }
+  }
+}
+
 /// The (B*S, E) rows of a (B, S, E) tensor.
 template <class T>
 ConstRowsMap<T> rows_of(const Tensor<T, 3>& x) {
@@ -83,7 +166,42 @@ inline std::string shape3(const char* name, Index b, Index s, Index e) {
   return std::string(name) + " is " + shape_string({b, s, e});
 }
 
+/// Writable (B*S, E) rows of a (B, S, E) tensor.
+template <class T>
+RowsMap<T> rows_of(Tensor<T, 3>& x) {
+  return RowsMap<T>(x.data(), x.dimension(0) * x.dimension(1), x.dimension(2),
+                    Eigen::OuterStride<>(x.dimension(2)));
+}
+
+/// Sizes a parameter gradient: resized when overwritten; when accumulated, it must already
+/// have the parameter's shape.
+template <class M>
+void prepare_gradient(const char* function, const char* name, M& grad, Index rows, Index cols,
+                      bool accumulate) {
+  if (!accumulate) {
+    if constexpr (M::ColsAtCompileTime == 1)
+      grad.resize(rows);
+    else
+      grad.resize(rows, cols);
+    return;
+  }
+  if (grad.rows() != rows || grad.cols() != cols) {
+    throw_invalid_argument(function,
+                           std::string(name) + " is " + shape_string({grad.rows(), grad.cols()}) +
+                               " but accumulating into it needs " + shape_string({rows, cols}));
+  }
+}
+
 }  // namespace detail
+
+/// The gradients of a Linear layer, named and laid out as PyTorch's nn.Linear parameters
+/// (compare one to one with weight.grad and bias.grad).
+template <class T, class Input = Matrix<T>>  // Input: Matrix<T> (N, in) or Tensor<T, 3>
+struct LinearGradients {
+  Input dx;          ///< (N, in) or (B, S, in): the gradient with respect to the input
+  Matrix<T> weight;  ///< (out, in): torch's weight.grad, our W transposed
+  Vector<T> bias;    ///< (out): torch's bias.grad; empty without a bias
+};
 
 /// y = x * W + b with W (in x out) and an optional bias (out).
 template <class T>
@@ -187,6 +305,57 @@ class Linear {
     return y;
   }
 
+  /// The backward of operator(): from the forward's input x (N, in) and dy = dL/dy
+  /// (N, out), dx (N, in) = dy W^T and the parameter gradients in torch's layout, weight
+  /// (out, in) = dy^T x and bias (out) = the column sums of dy (empty without a bias).
+  template <class DX, class DY>
+  LinearGradients<T> backward(const Eigen::MatrixBase<DX>& x,           // (N, in)
+                              const Eigen::MatrixBase<DY>& dy) const {  // (N, out)
+    const Matrix<T> xr = x, dyr = dy;  // expressions and column-major inputs: row-major once
+    LinearGradients<T> grads;
+    grads.dx.resize(xr.rows(), xr.cols());
+    RowsMap<T> dx(grads.dx.data(), xr.rows(), xr.cols(), Eigen::OuterStride<>(xr.cols()));
+    backward_rows("Linear::backward", as_const_rows(xr), as_const_rows(dyr), &dx, grads.weight,
+                  grads.bias, false);
+    return grads;
+  }
+
+  /// (B, S, in) and dy (B, S, out): dx (B, S, in) and the parameter gradients, one GEMM each
+  /// over the B*S rows.
+  LinearGradients<T, Tensor<T, 3>> backward(const Tensor<T, 3>& x,           // (B, S, in)
+                                            const Tensor<T, 3>& dy) const {  // (B, S, out)
+    if (x.dimension(0) != dy.dimension(0) || x.dimension(1) != dy.dimension(1) ||
+        x.dimension(2) != in_features() || dy.dimension(2) != out_features()) {
+      detail::throw_invalid_argument(
+          "Linear::backward",
+          detail::shape3("x", x.dimension(0), x.dimension(1), x.dimension(2)) + " and " +
+              detail::shape3("dy", dy.dimension(0), dy.dimension(1), dy.dimension(2)) +
+              " but the weight (in, out) is " +
+              detail::shape_string({weight_.rows(), weight_.cols()}) +
+              ": need x (B, S, in) and dy (B, S, out)");
+    }
+    LinearGradients<T, Tensor<T, 3>> grads;
+    grads.dx.resize(x.dimension(0), x.dimension(1), x.dimension(2));
+    RowsMap<T> dx = detail::rows_of(grads.dx);
+    backward_rows("Linear::backward", detail::rows_of(x), detail::rows_of(dy), &dx, grads.weight,
+                  grads.bias, false);
+    return grads;
+  }
+
+  /// The backward on strided rows, for building larger backwards: x (N, in) and dy (N, out)
+  /// give dx (N, in) (not computed when null; overwritten) and the parameter gradients
+  /// weight_grad (out, in) and bias_grad (out) in torch's layout (bias_grad left empty
+  /// without a bias). accumulate = false resizes and overwrites them; true adds to them, as
+  /// torch's .grad does across backward calls (they must then have their shapes already).
+  void backward_into(const ConstRowsMap<T>& x,   // (N, in)
+                     const ConstRowsMap<T>& dy,  // (N, out)
+                     RowsMap<T>* dx,             // (N, in) or null
+                     Matrix<T>& weight_grad,     // (out, in)
+                     Vector<T>& bias_grad,       // (out) or empty
+                     bool accumulate = false) const {
+    backward_rows("Linear::backward_into", x, dy, dx, weight_grad, bias_grad, accumulate);
+  }
+
   /// y (N, out) = x (N, in) * W + b into any strided row-major destination (no allocation).
   void apply_into(const ConstRowsMap<T>& x, RowsMap<T> y) const {
     if (x.cols() != in_features() || y.cols() != out_features() || y.rows() != x.rows()) {
@@ -204,6 +373,44 @@ class Linear {
   }
 
  private:
+  static ConstRowsMap<T> as_const_rows(const Matrix<T>& m) {
+    return ConstRowsMap<T>(m.data(), m.rows(), m.cols(), Eigen::OuterStride<>(m.cols()));
+  }
+
+  void backward_rows(const char* function, const ConstRowsMap<T>& x, const ConstRowsMap<T>& dy,
+                     RowsMap<T>* dx, Matrix<T>& weight_grad, Vector<T>& bias_grad,
+                     bool accumulate) const {
+    if (weight_.size() == 0)
+      detail::throw_invalid_argument(function, "the layer is empty (default-constructed)");
+    if (x.cols() != in_features() || dy.cols() != out_features() || dy.rows() != x.rows()) {
+      detail::throw_invalid_argument(
+          function, "x is " + detail::shape_string({x.rows(), x.cols()}) + " and dy is " +
+                        detail::shape_string({dy.rows(), dy.cols()}) +
+                        " but the weight (in, out) is " +
+                        detail::shape_string({weight_.rows(), weight_.cols()}) +
+                        ": need x (N, in) and dy (N, out)");
+    }
+    if (dx != nullptr && (dx->rows() != x.rows() || dx->cols() != x.cols())) {
+      detail::throw_invalid_argument(
+          function, "dx is " + detail::shape_string({dx->rows(), dx->cols()}) + " but x is " +
+                        detail::shape_string({x.rows(), x.cols()}));
+    }
+    detail::prepare_gradient(function, "weight_grad", weight_grad, out_features(), in_features(),
+                             accumulate);
+    if (has_bias()) {
+      detail::prepare_gradient(function, "bias_grad", bias_grad, out_features(), 1, accumulate);
+    } else {
+      bias_grad.resize(0);
+    }
+    RowsMap<T> wg(weight_grad.data(), out_features(), in_features(),
+                  Eigen::OuterStride<>(in_features()));
+    detail::linear_backward_into<T>(x,
+                                    ConstRowsMap<T>(weight_.data(), weight_.rows(), weight_.cols(),
+                                                    Eigen::OuterStride<>(weight_.cols())),
+                                    dy, dx, false, &wg, has_bias() ? bias_grad.data() : nullptr,
+                                    accumulate);
+  }
+
   void check_rows(const char* function, Index rows, Index cols) const {
     if (cols != in_features()) {
       detail::throw_invalid_argument(
@@ -279,6 +486,24 @@ class QKV {
   bool fused_ = false;
   Matrix<T> qkv_;        // fused: (B*S, Dq + Dk + Dv)
   Matrix<T> q_, k_, v_;  // separate: (B*Lq, Dq), (B*Lk, Dk), (B*Lk, Dv)
+};
+
+/// The gradients of a QKVProjection, named as MultiHeadAttention's state_dict names the
+/// parameters (torch.nn.MultiheadAttention's; shapes (out, in) as there), so that each
+/// compares one to one with torch's .grad of the same name.
+template <class T>
+struct QKVProjectionGradients {
+  Tensor<T, 3> dx;           ///< self-attention backward(x, ...): (B, S, E), the q, k and v paths
+                             ///< summed; empty after the cross-attention backward
+  Tensor<T, 3> dx_q;         ///< cross-attention: (B, Lq, Eq); empty after the self-attention one
+  Tensor<T, 3> dx_k;         ///< cross-attention: (B, Lk, Ek)
+  Tensor<T, 3> dx_v;         ///< cross-attention: (B, Lk, Ev)
+  Matrix<T> in_proj_weight;  ///< fused: (Dq + Dk + Dv, E); empty when separate
+  Matrix<T> q_proj_weight;   ///< separate: (Dq, Eq); empty when fused
+  Matrix<T> k_proj_weight;   ///< separate: (Dk, Ek)
+  Matrix<T> v_proj_weight;   ///< separate: (Dv, Ev)
+  Vector<T> in_proj_bias;    ///< (Dq + Dk + Dv) in both forms (torch keeps one in_proj_bias
+                             ///< even with separate weights); empty without biases
 };
 
 /// Q, K and V projections: q = x_q Wq + bq, k = x_k Wk + bk, v = x_v Wv + bv.
@@ -487,7 +712,188 @@ class QKVProjection {
     detail::linear_into<T>(detail::rows_of(x_v), wv(), bv(), as_rows(out.v_));
   }
 
+  /// Self-attention backward: from the forward's input x (B, S, E) and the gradients dq
+  /// (B, S, Dq), dk (B, S, Dk), dv (B, S, Dv) of the loss with respect to q, k and v: dx
+  /// (B, S, E) = dq Wq^T + dk Wk^T + dv Wv^T and the parameter gradients (fused or separate
+  /// names, as the projection is). Fused: one GEMM for dx and one for in_proj_weight.
+  QKVProjectionGradients<T> backward(const Tensor<T, 3>& x,           // (B, S, E)
+                                     const Tensor<T, 3>& dq,          // (B, S, Dq)
+                                     const Tensor<T, 3>& dk,          // (B, S, Dk)
+                                     const Tensor<T, 3>& dv) const {  // (B, S, Dv)
+    check_backward_tensors(x, x, x, dq, dk, dv);
+    QKVProjectionGradients<T> grads;
+    grads.dx.resize(x.dimension(0), x.dimension(1), x.dimension(2));
+    RowsMap<T> dx = detail::rows_of(grads.dx);
+    const ConstRowsMap<T> xr = detail::rows_of(x);
+    backward_into(xr, xr, xr, detail::rows_of(dq), detail::rows_of(dk), detail::rows_of(dv), &dx,
+                  &dx, &dx, grads);
+    return grads;
+  }
+
+  /// Cross-attention backward: x_q (B, Lq, Eq), x_k (B, Lk, Ek), x_v (B, Lk, Ev) and dq
+  /// (B, Lq, Dq), dk (B, Lk, Dk), dv (B, Lk, Dv) give dx_q, dx_k, dx_v (each input's own;
+  /// sum them yourself if two inputs were one tensor) and the parameter gradients.
+  QKVProjectionGradients<T> backward(const Tensor<T, 3>& x_q,         // (B, Lq, Eq)
+                                     const Tensor<T, 3>& x_k,         // (B, Lk, Ek)
+                                     const Tensor<T, 3>& x_v,         // (B, Lk, Ev)
+                                     const Tensor<T, 3>& dq,          // (B, Lq, Dq)
+                                     const Tensor<T, 3>& dk,          // (B, Lk, Dk)
+                                     const Tensor<T, 3>& dv) const {  // (B, Lk, Dv)
+    check_backward_tensors(x_q, x_k, x_v, dq, dk, dv);
+    QKVProjectionGradients<T> grads;
+    grads.dx_q.resize(x_q.dimension(0), x_q.dimension(1), x_q.dimension(2));
+    grads.dx_k.resize(x_k.dimension(0), x_k.dimension(1), x_k.dimension(2));
+    grads.dx_v.resize(x_v.dimension(0), x_v.dimension(1), x_v.dimension(2));
+    RowsMap<T> dx_q = detail::rows_of(grads.dx_q), dx_k = detail::rows_of(grads.dx_k),
+               dx_v = detail::rows_of(grads.dx_v);
+    backward_into(detail::rows_of(x_q), detail::rows_of(x_k), detail::rows_of(x_v),
+                  detail::rows_of(dq), detail::rows_of(dk), detail::rows_of(dv), &dx_q, &dx_k,
+                  &dx_v, grads);
+    return grads;
+  }
+
+  /// The backward on strided rows, for building larger backwards (MultiHeadAttention's):
+  /// x_q (Nq, Eq), x_k (Nk, Ek), x_v (Nk, Ev) as the forward read them, dq (Nq, Dq), dk
+  /// (Nk, Dk), dv (Nk, Dv) (any strides: e.g. the column blocks of one (N, Dq + Dk + Dv)
+  /// buffer). dx_q, dx_k, dx_v receive the input gradients (null: not computed); when two or
+  /// three of them have the same data they are one input's gradient and the paths are summed
+  /// there (self-attention). The parameter gradients go to `grads` (its dx fields are left
+  /// alone): overwritten, or with accumulate added to, as torch's .grad. One GEMM for dx and
+  /// one for in_proj_weight when the projection is fused, the three inputs are one, dq, dk
+  /// and dv are adjacent column blocks of one buffer and dx is one destination.
+  void backward_into(const ConstRowsMap<T>& x_q,  // (Nq, Eq)
+                     const ConstRowsMap<T>& x_k,  // (Nk, Ek)
+                     const ConstRowsMap<T>& x_v,  // (Nk, Ev)
+                     const ConstRowsMap<T>& dq,   // (Nq, Dq)
+                     const ConstRowsMap<T>& dk,   // (Nk, Dk)
+                     const ConstRowsMap<T>& dv,   // (Nk, Dv)
+                     RowsMap<T>* dx_q,            // (Nq, Eq) or null
+                     RowsMap<T>* dx_k,            // (Nk, Ek) or null
+                     RowsMap<T>* dx_v,            // (Nk, Ev) or null
+                     QKVProjectionGradients<T>& grads, bool accumulate = false) const {
+    constexpr const char* function = "QKVProjection::backward";
+    if (q_dim() == 0)
+      detail::throw_invalid_argument(function, "the projection is empty");
+    const auto pair = [](Index r, Index c) { return detail::shape_string({r, c}); };
+    const auto check = [&](const char* name, const ConstRowsMap<T>& x, const char* gname,
+                           const ConstRowsMap<T>& g, Index in, Index out) {
+      if (x.cols() != in || g.cols() != out || g.rows() != x.rows()) {
+        detail::throw_invalid_argument(
+            function, std::string(name) + " is " + pair(x.rows(), x.cols()) + " and " + gname +
+                          " is " + pair(g.rows(), g.cols()) + " but must be " + pair(x.rows(), in) +
+                          " and " + pair(x.rows(), out) +
+                          " (the projection's input and output widths)");
+      }
+    };
+    check("x_q", x_q, "dq", dq, q_in(), q_dim());
+    check("x_k", x_k, "dk", dk, k_in(), k_dim());
+    check("x_v", x_v, "dv", dv, v_in(), v_dim());
+    const auto check_dx = [&](const char* name, const RowsMap<T>* dx, const ConstRowsMap<T>& x) {
+      if (dx != nullptr && (dx->rows() != x.rows() || dx->cols() != x.cols())) {
+        detail::throw_invalid_argument(function,
+                                       std::string(name) + " is " + pair(dx->rows(), dx->cols()) +
+                                           " but its input is " + pair(x.rows(), x.cols()));
+      }
+    };
+    check_dx("dx_q", dx_q, x_q);
+    check_dx("dx_k", dx_k, x_k);
+    check_dx("dx_v", dx_v, x_v);
+    const auto same = [](const RowsMap<T>* a, const RowsMap<T>* b) {
+      return a != nullptr && b != nullptr && a->data() == b->data();
+    };
+    const Index total = q_dim() + k_dim() + v_dim();
+    if (has_bias())
+      detail::prepare_gradient(function, "in_proj_bias", grads.in_proj_bias, total, 1, accumulate);
+    else
+      grads.in_proj_bias.resize(0);
+    T* bias = has_bias() ? grads.in_proj_bias.data() : nullptr;
+    const auto block = [](Matrix<T>& m, Index first, Index rows) {  // rows of a torch weight
+      return RowsMap<T>(m.data() + first * m.cols(), rows, m.cols(),
+                        Eigen::OuterStride<>(m.cols()));
+    };
+    if (is_fused_) {
+      const Index e = fused_.in_features();
+      detail::prepare_gradient(function, "in_proj_weight", grads.in_proj_weight, total, e,
+                               accumulate);
+      const bool one_input = x_q.data() == x_k.data() && x_q.data() == x_v.data() &&
+                             x_q.rows() == x_k.rows() && x_q.outerStride() == x_k.outerStride() &&
+                             x_q.outerStride() == x_v.outerStride();
+      const bool adjacent = dk.data() == dq.data() + q_dim() && dv.data() == dk.data() + k_dim() &&
+                            dq.outerStride() == dk.outerStride() &&
+                            dq.outerStride() == dv.outerStride() && dq.rows() == dk.rows();
+      const bool one_dx = (dx_q == nullptr && dx_k == nullptr && dx_v == nullptr) ||
+                          (same(dx_q, dx_k) && same(dx_q, dx_v));
+      if (one_input && adjacent && one_dx) {
+        const ConstRowsMap<T> dqkv(dq.data(), dq.rows(), total,
+                                   Eigen::OuterStride<>(dq.outerStride()));
+        RowsMap<T> wg = block(grads.in_proj_weight, 0, total);
+        detail::linear_backward_into<T>(x_q, weight_rows(fused_.weight(), 0, total), dqkv, dx_q,
+                                        false, &wg, bias, accumulate);
+        return;
+      }
+    } else {
+      grads.in_proj_weight.resize(0, 0);
+    }
+    // One Linear backward per path; an input gradient shared with an earlier path adds to it.
+    const ConstRowsMap<T>* xs[3] = {&x_q, &x_k, &x_v};
+    const ConstRowsMap<T>* gs[3] = {&dq, &dk, &dv};
+    RowsMap<T>* dxs[3] = {dx_q, dx_k, dx_v};
+    Matrix<T>* separate[3] = {&grads.q_proj_weight, &grads.k_proj_weight, &grads.v_proj_weight};
+    const char* names[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};
+    const Index first[3] = {0, q_dim(), q_dim() + k_dim()};
+    const Index widths[3] = {q_dim(), k_dim(), v_dim()};
+    for (int p = 0; p < 3; ++p) {
+      if (!is_fused_) {
+        detail::prepare_gradient(function, names[p], *separate[p], widths[p], xs[p]->cols(),
+                                 accumulate);
+      }
+      RowsMap<T> wg = is_fused_ ? block(grads.in_proj_weight, first[p], widths[p])
+                                : block(*separate[p], 0, widths[p]);
+      const bool shared = (p >= 1 && same(dxs[p], dxs[0])) || (p == 2 && same(dxs[2], dxs[1]));
+      detail::linear_backward_into<T>(*xs[p], weight_block(p), *gs[p], dxs[p], shared, &wg,
+                                      bias != nullptr ? bias + first[p] : nullptr, accumulate);
+    }
+    if (is_fused_) {
+      grads.q_proj_weight.resize(0, 0);
+      grads.k_proj_weight.resize(0, 0);
+      grads.v_proj_weight.resize(0, 0);
+    }
+  }
+
  private:
+  static ConstRowsMap<T> weight_rows(const Matrix<T>& w, Index first, Index n) {  // columns
+    return ConstRowsMap<T>(w.data() + first, w.rows(), n, Eigen::OuterStride<>(w.cols()));
+  }
+  void check_backward_tensors(const Tensor<T, 3>& x_q, const Tensor<T, 3>& x_k,
+                              const Tensor<T, 3>& x_v, const Tensor<T, 3>& dq,
+                              const Tensor<T, 3>& dk, const Tensor<T, 3>& dv) const {
+    const auto shape = [](const char* name, const Tensor<T, 3>& t) {
+      return detail::shape3(name, t.dimension(0), t.dimension(1), t.dimension(2));
+    };
+    const auto fail = [&](const std::string& rule) {
+      detail::throw_invalid_argument("QKVProjection::backward",
+                                     shape("x_q", x_q) + ", " + shape("x_k", x_k) + ", " +
+                                         shape("x_v", x_v) + ", " + shape("dq", dq) + ", " +
+                                         shape("dk", dk) + ", " + shape("dv", dv) + ": " + rule);
+    };
+    if (q_dim() == 0)
+      detail::throw_invalid_argument("QKVProjection::backward", "the projection is empty");
+    if (x_q.dimension(0) != x_k.dimension(0) || x_q.dimension(0) != x_v.dimension(0))
+      fail("batch sizes differ");
+    if (x_k.dimension(1) != x_v.dimension(1))
+      fail("key and value lengths differ");
+    if (x_q.dimension(2) != q_in() || x_k.dimension(2) != k_in() || x_v.dimension(2) != v_in()) {
+      fail("the input widths (q, k, v) are " + detail::shape_string({q_in(), k_in(), v_in()}));
+    }
+    const auto matches = [](const Tensor<T, 3>& g, const Tensor<T, 3>& x, Index width) {
+      return g.dimension(0) == x.dimension(0) && g.dimension(1) == x.dimension(1) &&
+             g.dimension(2) == width;
+    };
+    if (!matches(dq, x_q, q_dim()) || !matches(dk, x_k, k_dim()) || !matches(dv, x_v, v_dim())) {
+      fail("dq, dk and dv must be (B, Lq, Dq), (B, Lk, Dk), (B, Lk, Dv) with (Dq, Dk, Dv) = " +
+           detail::shape_string({q_dim(), k_dim(), v_dim()}));
+    }
+  }
   static RowsMap<T> as_rows(Matrix<T>& m) {
     return RowsMap<T>(m.data(), m.rows(), m.cols(), Eigen::OuterStride<>(m.cols()));
   }
