@@ -137,4 +137,40 @@ extern template Result<float> attention<float>(const Problem&, const std::vector
                                                const std::vector<long double>&,
                                                const Rounding<float>&);
 
+/// The gradients of L = sum(out * dout) (dout (B, Hq, Lq, Dv)), in R, from the forward's
+/// weights w and out (attention<R>):
+///   delta_i = dout_i . out_i;  ds_ij = w_ij (dout_i . v_j - delta_i)    (visible j)
+///   dq_i = scale sum_j ds_ij g_ij k_j,  dk_j = scale sum_i ds_ij g_ij q_i,  dv_j = sum_i w_ij
+///   dout_i
+/// with g_ij = 1 - tanh^2(scale q_i . k_j / cap) under softcap (else 1); dbias (B, Hq, Lq, Lk)
+/// = ds (the caller sums it over a bias's broadcast dimensions); dsinks_h = -sum over b, i of
+/// exp(z_h - lse_i) delta_i. dk and dv sum over the query heads of a kv head.
+template <class R>
+struct Gradients {
+  std::vector<R> dq, dk, dv;  ///< q's, k's and v's shapes
+  std::vector<R> dbias;       ///< (B, Hq, Lq, Lk)
+  std::vector<R> dsinks;      ///< (Hq), or empty
+};
+
+template <class R>
+Gradients<R> gradients(const Problem& p,
+                       const std::vector<long double>& q,      // (B, Hq, Lq, D)
+                       const std::vector<long double>& k,      // (B, Hkv, Lk, D)
+                       const std::vector<long double>& v,      // (B, Hkv, Lk, Dv)
+                       const std::vector<long double>& dout);  // (B, Hq, Lq, Dv)
+
+extern template Gradients<long double> gradients<long double>(const Problem&,
+                                                              const std::vector<long double>&,
+                                                              const std::vector<long double>&,
+                                                              const std::vector<long double>&,
+                                                              const std::vector<long double>&);
+extern template Gradients<double> gradients<double>(const Problem&, const std::vector<long double>&,
+                                                    const std::vector<long double>&,
+                                                    const std::vector<long double>&,
+                                                    const std::vector<long double>&);
+extern template Gradients<float> gradients<float>(const Problem&, const std::vector<long double>&,
+                                                  const std::vector<long double>&,
+                                                  const std::vector<long double>&,
+                                                  const std::vector<long double>&);
+
 }  // namespace attn_test::reference
