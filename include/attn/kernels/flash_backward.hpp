@@ -7,17 +7,19 @@
 //   out, dout  (B, Hq, Lq, Dv)    every sum runs in one fixed order: the result is bitwise
 //   lse        (B, Hq, Lq)        the same for any thread count (no atomics)
 //
-// Inside an item: for each query head of the group, for each query tile (Bq rows), for each
-// key tile (Bk keys) the mask does not hide, the tile loop of kernels/flash_backward.inl.
-// Query tiles are the outer loop, as in the forward, so that the mask and the tile products
-// are the forward's own: dq of a tile is summed in scratch (D, W) over the key tiles, dk and dv in
-// the output over the query tiles (FlashAttention-2 keeps dk, dv local and sums dq with atomics;
-// here one item owns a whole kv head instead).
+// Inside an item, FlashAttention-2's order: for each key tile (Bk keys), for each query head
+// of the group and each query tile (Bq rows) the mask does not hide on it, the tile step of
+// kernels/flash_backward.inl. dk and dv of a key tile are summed in scratch and written once;
+// dq is summed in the output over the key tiles (FlashAttention-2 parallelises over key tiles
+// and sums dq with atomics; here one item owns a whole kv head and its query heads instead,
+// so the order is fixed).
 //
-// Extra memory per thread: W * (2 D + Dv + 3 Bk + 7) scalars (Bk W fewer without softcap's
-// raw scores), independent of Lq and Lk (W = Bq rounded up to whole
-// vectors); with 16-bit storage add one widened head of each of q, out and dout (Lq, D + 2 Dv),
-// of k and v (Lk, D + Dv), and float accumulators for dk, dv (Lk, D + Dv) and dq (Lq, D).
+// Extra memory per thread: 2 W (D + Dv) + 3 Bq W + 3 Bq + W scalars for the tiles (2 Bq W
+// without softcap; W = Bk rounded up to whole vectors) and G * Lq for the rows' deltas,
+// independent of Lk and only G * Lq scalars in Lq: 180 KiB at Bq = Bk = 64, D = Dv = 128. With
+// 16-bit storage add one widened head of each of q, out and dout (Lq, D + 2 Dv) per query
+// head of the group, of k and v (Lk, D + Dv), and float accumulators for dq (G Lq, D) and
+// dk, dv (Lk, D + Dv).
 #pragma once
 
 #include <algorithm>
@@ -43,29 +45,42 @@
 
 namespace attn::detail {
 
-/// The per-thread scratch of the flash backward: W query columns, Bk keys.
+/// The per-thread scratch of the flash backward: key tiles of up to `width` (padded) keys,
+/// query tiles of up to `rows` rows.
 template <class T>
 struct BackwardWorkspace {
-  Index width = 0, keys = 0;
-  Scratch<T> qt, dot, st, dpt, raw, dqt;          // (D, W), (Dv, W), (Bk, W) x 3, (D, W)
-  Scratch<T> shift, delta, ones, tile_max, sums;  // (W) each
-  std::vector<std::int32_t> key_lo, key_hi;       // (W) each
+  Index width = 0, rows = 0;
+  Scratch<T> kt, vt, dkt, dvt;      // (D, W), (Dv, W), (D, W), (Dv, W)
+  Scratch<T> s, dp, raw;            // (Bq, W) each; raw with softcap only
+  Scratch<T> shift, sums, ones;     // (Bq), (Bq), (max(W, Bq))
 
-  void reserve(Index w, Index bk, Index dim, Index value_dim, bool softcap) {
+  void reserve(Index w, Index bq, Index dim, Index value_dim, bool softcap) {
     width = w;
-    keys = bk;
-    qt.resize(dim, w);
-    dot.resize(value_dim, w);
-    st.resize(bk, w);
-    dpt.resize(bk, w);
+    rows = bq;
+    kt.resize(dim, w);
+    vt.resize(value_dim, w);
+    dkt.resize(dim, w);
+    dvt.resize(value_dim, w);
+    s.resize(bq, w);
+    dp.resize(bq, w);
     if (softcap)
-      raw.resize(bk, w);
-    dqt.resize(dim, w);
-    for (Scratch<T>* x : {&shift, &delta, &ones, &tile_max, &sums})
-      x->resize(w);
-    key_lo.resize(static_cast<std::size_t>(w));
-    key_hi.resize(static_cast<std::size_t>(w));
+      raw.resize(bq, w);
+    shift.resize(bq);
+    sums.resize(bq);
+    ones.resize(std::max(w, bq));
+    std::fill_n(ones.data(), std::max(w, bq), T(1));
   }
+};
+
+/// What the backward reads and writes for one query head: q, dout and dq rows, the saved
+/// log-sum-exp and delta_i = dout_i . out_i.
+template <class T>
+struct BackwardHead {
+  HeadMatrix<const T> q;     // (Lq, D)
+  HeadMatrix<const T> dout;  // (Lq, Dv)
+  const T* lse;              // (Lq)
+  const T* delta;            // (Lq)
+  HeadMatrix<T> dq;          // (Lq, D), accumulated
 };
 
 }  // namespace attn::detail
@@ -135,63 +150,91 @@ void run_flash_backward(const KernelPlan& plan,
   using T = compute_scalar_t<S>;
   constexpr bool widened = !std::is_same_v<S, T>;
   const Index group = q.heads / k.heads, q_length = q.length;
-  const Index query_tile = plan.query_tile;
-  const Index key_tile = std::max<Index>(1, std::min(plan.key_tile, k.length));
+  const Index query_tile = std::max<Index>(1, std::min(plan.query_tile, q_length));
+  const Index key_tile = plan.key_tile;
   struct Scratch {
     BackwardWorkspace<T> workspace;
-    Vector<T> delta;  // (Lq) of one query head
-    WidenedHead<T, S> q_head, k_head, v_head, out_head, dout_head;
-    Matrix<T> dq_rows, dk_rows, dv_rows;  // float accumulators for 16-bit gradients
+    Matrix<T> delta;  // (G, Lq): delta of the group's query heads
+    // 16-bit storage: the item's heads widened, and float accumulators for the gradients
+    std::vector<Matrix<T>> q_heads, dout_heads, dq_heads;  // G of each
+    Matrix<T> out_head, k_head, v_head, dk_head, dv_head;
   };
   with_backward_kernels<T>(plan.isa, [&](auto kernels) {
     using K = decltype(kernels);
     const auto make_scratch = [&] {
       Scratch s;
-      s.workspace.reserve(K::padded_width(std::max<Index>(1, std::min(query_tile, q_length))),
-                          key_tile, q.dim, v.dim, softcap.has_value());
-      s.delta.resize(q_length);
+      s.workspace.reserve(K::padded_width(std::max<Index>(1, std::min(key_tile, k.length))),
+                          query_tile, q.dim, v.dim, softcap.has_value());
+      s.delta.resize(group, q_length);
+      if constexpr (widened) {
+        s.q_heads.resize(static_cast<std::size_t>(group));
+        s.dout_heads.resize(static_cast<std::size_t>(group));
+        s.dq_heads.resize(static_cast<std::size_t>(group));
+      }
       return s;
+    };
+    // A (rows, cols) head of `view` in T: the view itself, or widened into `buffer`.
+    const auto widen = [](const HeadsView<const S>& view, Index b, Index h,
+                          Matrix<T>& buffer) -> HeadMatrix<const T> {
+      if constexpr (!std::is_same_v<S, T>) {
+        buffer = view.head(b, h).template cast<T>();
+        return HeadMatrix<const T>(buffer.data(), buffer.rows(), buffer.cols(),
+                                   Eigen::OuterStride<>(buffer.cols()));
+      } else {
+        (void)buffer;
+        return view.head(b, h);
+      }
+    };
+    // The gradient head to accumulate or write into: the output itself, or a float buffer.
+    const auto gradient = [](const HeadsView<S>& view, Index b, Index h,
+                             Matrix<T>& buffer) -> HeadMatrix<T> {
+      if constexpr (!std::is_same_v<S, T>) {
+        buffer.setZero(view.rows(b), view.dim);
+        return HeadMatrix<T>(buffer.data(), buffer.rows(), buffer.cols(),
+                             Eigen::OuterStride<>(buffer.cols()));
+      } else {
+        (void)buffer;
+        return view.head(b, h);
+      }
     };
     for_each_item(plan.work_items, plan.parallel, make_scratch, [&](Index item, Scratch& s) {
       const Index b = item / k.heads, kv_head = item % k.heads;
-      const Index rows = q.rows(b), keys = k.rows(b);
-      const HeadMatrix<const T> k_head = s.k_head(k, b, kv_head);
-      const HeadMatrix<const T> v_head = s.v_head(v, b, kv_head);
-      const auto accumulator = [&](const HeadsView<S>& g, Index h, Matrix<T>& buffer,
-                                   Index n) -> HeadMatrix<T> {
-        if constexpr (widened) {
-          buffer.setZero(n, g.dim);
-          return HeadMatrix<T>(buffer.data(), n, g.dim, Eigen::OuterStride<>(g.dim));
-        } else {
-          (void)buffer;
-          (void)n;
-          HeadMatrix<T> m = g.head(b, h);
-          m.setZero();
-          return m;
-        }
-      };
-      HeadMatrix<T> dk_head = accumulator(dk, kv_head, s.dk_rows, keys);
-      HeadMatrix<T> dv_head = accumulator(dv, kv_head, s.dv_rows, keys);
+      const Index keys = k.rows(b);
+      const HeadMatrix<const T> k_head = widen(k, b, kv_head, s.k_head);
+      const HeadMatrix<const T> v_head = widen(v, b, kv_head, s.v_head);
+      const HeadMatrix<T> dk_head = gradient(dk, b, kv_head, s.dk_head);
+      const HeadMatrix<T> dv_head = gradient(dv, b, kv_head, s.dv_head);
+      std::vector<BackwardHead<T>> heads;
+      heads.reserve(static_cast<std::size_t>(group));
       for (Index g = 0; g < group; ++g) {
         const Index h = kv_head * group + g;
-        const HeadMatrix<const T> q_head = s.q_head(q, b, h);
-        const HeadMatrix<const T> dout_head = s.dout_head(dout, b, h);
-        row_deltas<T>(dout_head, s.out_head(out, b, h), s.delta.data());
-        HeadMatrix<T> dq_head = accumulator(dq, h, s.dq_rows, rows);
-        const T* lse_head = lse + (b * q.heads + h) * q_length;
-        for (Index i0 = 0; i0 < rows; i0 += query_tile) {
-          const Index n = std::min(query_tile, rows - i0);
-          K::template backward_tile<T>(middle_rows(q_head, i0, n), middle_rows(dout_head, i0, n),
-                                       lse_head + i0, s.delta.data() + i0, k_head, v_head,
-                                       middle_rows(dq_head, i0, n), dk_head, dv_head, mask, softcap,
-                                       b, h, scale, i0, key_tile, s.workspace);
-        }
-        if constexpr (widened)
-          dq.head(b, h) = dq_head.template cast<S>();
+        const auto at = static_cast<std::size_t>(g);
+        Matrix<T> unused;
+        const HeadMatrix<const T> q_head = widen(q, b, h, widened ? s.q_heads[at] : unused);
+        const HeadMatrix<const T> dout_head =
+            widen(dout, b, h, widened ? s.dout_heads[at] : unused);
+        row_deltas<T>(dout_head, widen(out, b, h, s.out_head), s.delta.row(g).data());
+        HeadMatrix<T> dq_head = gradient(dq, b, h, widened ? s.dq_heads[at] : unused);
+        if constexpr (!widened)
+          dq_head.setZero();
+        heads.push_back({q_head, dout_head, lse + (b * q.heads + h) * q_length,
+                         s.delta.row(g).data(), dq_head});
+      }
+      const auto head_of = [&](Index g) -> const BackwardHead<T>& {
+        return heads[static_cast<std::size_t>(g)];
+      };
+      for (Index j0 = 0; j0 < keys; j0 += key_tile) {
+        K::template backward_key_tile<T>(k_head, v_head, dk_head, dv_head, head_of, group, mask,
+                                         softcap, b, kv_head, scale, j0,
+                                         std::min(key_tile, keys - j0), query_tile, s.workspace);
       }
       if constexpr (widened) {
-        dk.head(b, kv_head) = dk_head.template cast<S>();
-        dv.head(b, kv_head) = dv_head.template cast<S>();
+        for (Index g = 0; g < group; ++g) {
+          dq.head(b, kv_head * group + g) =
+              s.dq_heads[static_cast<std::size_t>(g)].template cast<S>();
+        }
+        dk.head(b, kv_head) = s.dk_head.template cast<S>();
+        dv.head(b, kv_head) = s.dv_head.template cast<S>();
       }
     });
   });

@@ -1,131 +1,151 @@
-// attn/kernels/flash_backward.inl: the tile loop of the flash backward, written once and
-// compiled for every instruction set.
+// attn/kernels/flash_backward.inl: the key-tile loop of the flash backward (FlashAttention-2's
+// order: a key tile outside, the query tiles that see it inside), written once and compiled
+// for every instruction set.
 //
 // No include guard and no #include: kernels/flash_backward.hpp includes this file inside
 // namespace attn::detail::generic, attn::detail::avx2 and attn::detail::avx512 (in their
-// target regions), after the forward's online_softmax.inl, whose tile products it uses
-// (pack_queries, scores, hide_outside_intervals, exp_columns, accumulate, padded) with the
-// queries of a tile along the vector lanes, as in the forward:
+// target regions), after the forward's online_softmax.inl. It uses that namespace's tile
+// products (pack_queries, scores, exp_rows, accumulate, weighted_sum, padded), here with the
+// keys of a tile along the vector lanes and the queries on the rows:
 //
-//   qt    (D, W)    scale * q tile^T        dot  (Dv, W)  dout tile^T
-//   st    (Bk, W)   scores^T -> p^T         dpt  (Bk, W)  (dout v^T)^T -> scale * ds^T
-//   dqt   (D, W)    dq tile^T, summed over the key tiles
-//   dk, dv (Lk, D), (Lk, Dv)  the whole kv head's gradients, summed over query tiles and
-//                             the query heads of the group
+//   kt, vt    (D, W), (Dv, W)   scale * k tile^T and v tile^T, packed once per key tile
+//   s         (Bq, W)           scores -> p of one query tile
+//   dp        (Bq, W)           dout v^T -> scale * ds
+//   dkt, dvt  (D, W), (Dv, W)   dk and dv of the key tile, transposed, summed over the query
+//                               tiles and the query heads of the group
+//   q, dout   read in place, not transposed, not packed (each element broadcast)
 //
-// For the rows i of a query tile and the keys j of a key tile (z = the masked, modified
-// scores; lse and delta_i = dout_i . out_i saved or computed once per tile):
-//   p_ij  = exp(z_ij - lse_i)                          the forward's probabilities
-//   dv_j += sum_i p_ij dout_i
-//   dp_ij = dout_i . v_j
-//   ds_ij = p_ij (dp_ij - delta_i) * (1 - tanh^2(s_ij / cap))   (the factor with softcap)
-//   dq_i += scale sum_j ds_ij k_j,   dk_j += scale sum_i ds_ij q_i
+// so that every product is one of the forward's register-blocked kernels:
+//   s = q kt,  dp = dout vt              (scores: a row of q times the rows of kt)
+//   dvt += dout^T p,  dkt += q^T ds      (accumulate: the transposed-output product)
+//   dq += ds k                           (weighted_sum: the rows of ds weight the rows of k)
+// For the rows i of a query tile and the keys j of the key tile (z = the masked, modified
+// scores; lse_i saved by the forward, delta_i = dout_i . out_i):
+//   p_ij  = exp(z_ij - lse_i)
+//   ds_ij = p_ij (dout_i . v_j - delta_i) * (1 - tanh^2(s_ij / cap))   (the factor with softcap)
+//   dv_j += sum_i p_ij dout_i,  dk_j += scale sum_i ds_ij q_i,  dq_i += scale sum_j ds_ij k_j
 
 struct BackwardKernels {
   static constexpr Isa level = isa;
 
-  static Index padded_width(Index rows) { return padded(rows); }
+  static Index padded_width(Index keys) { return padded(keys); }
 
-  /// The gradients from queries [i0, i0 + rows) of one (b, query head h) pair, whose rows of
-  /// q, dout, lse and delta are given: dq of those rows written, dk and dv of the whole kv
-  /// head accumulated. Key tiles the mask hides are skipped; visible ones skip the mask.
-  ///   pass 1: qt = scale * q^T, dot = dout^T, shift = lse (0 where -inf: such rows see
-  ///           only -inf scores), +inf in the padding columns (their p is 0)
-  ///   pass 2: for each key tile [j0, j1) the mask does not hide:
-  ///             st = k[j0:j1] qt, masked as in the forward; p^T = exp(st - shift)
-  ///             dv[j0:j1] += p^T dout                                  (GEMM)
-  ///             dpt = v[j0:j1] dot;  dpt = scale * p^T (dpt - delta) (* softcap factor)
-  ///             dqt += k[j0:j1]^T dpt;  dk[j0:j1] += dpt q              (GEMM)
-  ///   pass 3: dq = dqt^T (zeros when the rows see no key)
-  template <class T>
-  static void backward_tile(const HeadMatrix<const T>& q,     // (rows, D)  queries i0 ..
-                            const HeadMatrix<const T>& dout,  // (rows, Dv)
-                            const T* lse, const T* delta,     // (rows) each
-                            const HeadMatrix<const T>& k,     // (Lk, D)    the whole kv head
-                            const HeadMatrix<const T>& v,     // (Lk, Dv)
-                            HeadMatrix<T> dq,                 // (rows, D)  written
-                            HeadMatrix<T> dk,                 // (Lk, D)    accumulated
-                            HeadMatrix<T> dv,                 // (Lk, Dv)   accumulated
-                            const Mask<T>& mask, const std::optional<T>& softcap, Index b,
-                            Index h, T scale, Index i0, Index key_tile,
-                            BackwardWorkspace<T>& workspace) {
+  /// The gradients through keys [j0, j0 + keys) of one (b, kv head): dk and dv of those keys
+  /// written, the dq of every query of the `group` query heads that sees them accumulated.
+  /// `heads` gives, for query head g of the group, its q, dout, lse, delta and dq (all rows).
+  ///   pass 1: kt = scale * k tile^T, vt = v tile^T
+  ///   pass 2: for each query head of the group, each query tile [i0, i1) the mask does not
+  ///           hide on this key tile:
+  ///             s = q kt, masked as in the forward (and -inf in the padding columns);
+  ///             p = exp(s - lse) (a row whose lse is -inf sees only -inf scores: shift 0)
+  ///             dvt += dout^T p
+  ///             dp = dout vt;  ds = scale * p (dp - delta) (* the softcap factor)
+  ///             dkt += q^T ds;  dq += ds k
+  ///   pass 3: dk = dkt^T, dv = dvt^T (zeros if no query sees the tile)
+  template <class T, class Heads>
+  static void backward_key_tile(const HeadMatrix<const T>& k,  // (Lk, D)   the whole kv head
+                                const HeadMatrix<const T>& v,  // (Lk, Dv)
+                                HeadMatrix<T> dk,              // (Lk, D)   rows j0.. written
+                                HeadMatrix<T> dv,              // (Lk, Dv)
+                                const Heads& heads, Index group, const Mask<T>& mask,
+                                const std::optional<T>& softcap, Index b, Index kv_head, T scale,
+                                Index j0, Index keys, Index query_tile,
+                                BackwardWorkspace<T>& workspace) {
     constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-    constexpr T plus_inf = std::numeric_limits<T>::infinity();
-    const Index rows = q.rows(), i1 = i0 + rows, width = padded(rows);
-    const Index dim = q.cols(), value_dim = dout.cols();
-    const Index stride = width;  // as in the forward: the tile's own width
-    ATTN_ASSERT(rows > 0 && width <= workspace.width && key_tile <= workspace.keys);
-    T* dqt = workspace.dqt.data();
-    bool first_tile = true;
-
-    const auto [keys_first, keys_last] = mask.key_range(b, i0, i1);
-    if (keys_first < keys_last) {
-      T* qt = workspace.qt.data();
-      T* dot = workspace.dot.data();
-      T* st = workspace.st.data();
-      T* dpt = workspace.dpt.data();
-      T* shift = workspace.shift.data();
-      T* deltas = workspace.delta.data();
-      pack_queries(q.data(), q.outerStride(), rows, dim, scale, qt, stride, width);  // pass 1
-      pack_queries(dout.data(), dout.outerStride(), rows, value_dim, T(1), dot, stride, width);
-      for (Index r = 0; r < width; ++r) {
-        shift[r] = r < rows ? (lse[r] == minus_inf ? T(0) : lse[r]) : plus_inf;
-        deltas[r] = r < rows ? delta[r] : T(0);
-      }
-      std::fill_n(workspace.ones.data(), width, T(1));
-      for (Index j0 = keys_first; j0 < keys_last; j0 += key_tile) {  // pass 2
-        const Index j1 = std::min(j0 + key_tile, keys_last), cols = j1 - j0;
+    const Index j1 = j0 + keys, width = padded(keys), stride = width;
+    const Index dim = k.cols(), value_dim = v.cols();
+    ATTN_ASSERT(keys > 0 && width <= workspace.width && query_tile <= workspace.rows);
+    T* kt = workspace.kt.data();
+    T* vt = workspace.vt.data();
+    T* dkt = workspace.dkt.data();
+    T* dvt = workspace.dvt.data();
+    T* s = workspace.s.data();
+    T* dp = workspace.dp.data();
+    T* shift = workspace.shift.data();
+    const T* ones = workspace.ones.data();
+    const T* k_tile = k.data() + j0 * k.outerStride();
+    pack_queries(k_tile, k.outerStride(), keys, dim, scale, kt, stride, width);  // pass 1
+    pack_queries(v.data() + j0 * v.outerStride(), v.outerStride(), keys, value_dim, T(1), vt,
+                 stride, width);
+    bool first = true;
+    for (Index g = 0; g < group; ++g) {  // pass 2
+      const Index h = kv_head * group + g;
+      auto head = heads(g);  // the maps, by value
+      const Index rows_of_head = head.q.rows();
+      for (Index i0 = 0; i0 < rows_of_head; i0 += query_tile) {
+        const Index rows = std::min(query_tile, rows_of_head - i0), i1 = i0 + rows;
         const TileVisibility visibility = mask.classify(b, h, i0, i1, j0, j1);
         if (visibility == TileVisibility::hidden)
           continue;
-        const bool masked = visibility == TileVisibility::partial || mask.modifies_scores();
-        const T* k_tile = k.data() + j0 * k.outerStride();
-        const T* v_tile = v.data() + j0 * v.outerStride();
-        scores(k_tile, k.outerStride(), cols, qt, stride, dim, width, st, stride, static_cast<T*>(nullptr));
-        if (softcap) {  // the raw scores, for the derivative of tanh
-          std::copy_n(st, cols * stride, workspace.raw.data());
-        }
-        const bool elementwise = mask.has_keep_mask() || mask.modifies_scores() ||
-                                 (mask.has_sink_tokens() && j0 < mask.sink_tokens());
-        if (masked && elementwise) {
-          Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>>
-              scores_view(st, rows, cols, Eigen::OuterStride<>(stride));
-          mask.apply(b, h, i0, j0, scores_view);
-        } else if (masked) {
-          std::int32_t* lo = workspace.key_lo.data();
-          std::int32_t* hi = workspace.key_hi.data();
-          for (Index r = 0; r < width; ++r) {
-            const auto [first, last] =
-                r < rows ? mask.key_interval(b, i0 + r) : std::array<Index, 2>{j0, j1};
-            lo[r] = static_cast<std::int32_t>(std::clamp(first - j0, Index(0), cols));
-            hi[r] = static_cast<std::int32_t>(std::clamp(last - j0, Index(0), cols));
-          }
-          hide_outside_intervals(st, stride, cols, width, lo, hi, workspace.tile_max.data());
-        }
-        exp_columns(st, stride, cols, width, shift, workspace.sums.data());  // p^T
-        gemm(level, cols, value_dim, rows, st, stride, dout.data(), dout.outerStride(),
-             dv.data() + j0 * dv.outerStride(), dv.outerStride(), static_cast<const T*>(nullptr), true, false);
-        scores(v_tile, v.outerStride(), cols, dot, stride, value_dim, width, dpt, stride,
+        const T* q_rows = head.q.data() + i0 * head.q.outerStride();
+        const T* dout_rows = head.dout.data() + i0 * head.dout.outerStride();
+        scores(q_rows, head.q.outerStride(), rows, kt, stride, dim, width, s, stride,
                static_cast<T*>(nullptr));
-        for (Index j = 0; j < cols; ++j) {
-          const T* p = st + j * stride;
-          T* ds = dpt + j * stride;
-          for (Index r = 0; r < width; ++r)
-            ds[r] = scale * (p[r] * (ds[r] - deltas[r]));
+        if (softcap)  // the raw scores, for the derivative of tanh
+          std::copy_n(s, rows * stride, workspace.raw.data());
+        hide(mask, visibility, b, h, i0, rows, j0, keys, width, s, stride);
+        for (Index r = 0; r < rows; ++r) {
+          const T lse = head.lse[i0 + r];
+          shift[r] = lse == minus_inf ? T(0) : lse;
+        }
+        exp_rows(s, stride, rows, width, shift, workspace.sums.data());  // p
+        accumulate(s, stride, rows, width, dout_rows, head.dout.outerStride(), value_dim,
+                   first ? nullptr : ones, dvt, stride);
+        scores(dout_rows, head.dout.outerStride(), rows, vt, stride, value_dim, width, dp, stride,
+               static_cast<T*>(nullptr));
+        for (Index r = 0; r < rows; ++r) {
+          const T* p = s + r * stride;
+          T* ds = dp + r * stride;
+          const T delta = head.delta[i0 + r];
+          for (Index c = 0; c < width; ++c)
+            ds[c] = scale * (p[c] * (ds[c] - delta));
         }
         if (softcap)
-          apply_softcap_derivative(workspace.raw.data(), cols * stride, *softcap, dpt);
-        accumulate(dpt, stride, cols, width, k_tile, k.outerStride(), dim,
-                   first_tile ? nullptr : workspace.ones.data(), dqt, stride);
-        gemm(level, cols, dim, rows, dpt, stride, q.data(), q.outerStride(),
-             dk.data() + j0 * dk.outerStride(), dk.outerStride(), static_cast<const T*>(nullptr), true, false);
-        first_tile = false;
+          apply_softcap_derivative(workspace.raw.data(), rows * stride, *softcap, dp);
+        accumulate(dp, stride, rows, width, q_rows, head.q.outerStride(), dim,
+                   first ? nullptr : ones, dkt, stride);
+        weighted_sum(dp, stride, rows, k_tile, k.outerStride(), keys, dim, ones,
+                     head.dq.data() + i0 * head.dq.outerStride(), head.dq.outerStride());
+        first = false;
       }
     }
-    for (Index r = 0; r < rows; ++r) {  // pass 3
-      T* row = dq.row(r).data();
+    for (Index j = 0; j < keys; ++j) {  // pass 3
+      T* dk_row = dk.row(j0 + j).data();
+      T* dv_row = dv.row(j0 + j).data();
       for (Index d = 0; d < dim; ++d)
-        row[d] = first_tile ? T(0) : dqt[d * stride + r];
+        dk_row[d] = first ? T(0) : dkt[d * stride + j];
+      for (Index e = 0; e < value_dim; ++e)
+        dv_row[e] = first ? T(0) : dvt[e * stride + j];
+    }
+  }
+
+  /// Hides what the mask hides in the scores s (rows, width) of queries [i0, i0 + rows) and
+  /// keys [j0, j0 + keys), and the padding columns [keys, width); applies softcap, ALiBi and
+  /// the bias, as the forward does.
+  template <class T>
+  static void hide(const Mask<T>& mask, TileVisibility visibility, Index b, Index h, Index i0,
+                   Index rows, Index j0, Index keys, Index width, T* s, Index stride) {
+    constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+    const bool masked = visibility == TileVisibility::partial || mask.modifies_scores();
+    const bool elementwise = mask.has_keep_mask() || mask.modifies_scores() ||
+                             (mask.has_sink_tokens() && j0 < mask.sink_tokens());
+    if (masked && elementwise) {
+      Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> view(s, rows, keys,
+                                                          Eigen::OuterStride<>(stride));
+      mask.apply(b, h, i0, j0, view);
+    } else if (masked) {  // one interval per row
+      for (Index r = 0; r < rows; ++r) {
+        const auto [first, last] = mask.key_interval(b, i0 + r);
+        const Index lo = std::clamp(first - j0, Index(0), keys);
+        const Index hi = std::clamp(last - j0, lo, keys);
+        T* row = s + r * stride;
+        std::fill(row, row + lo, minus_inf);
+        std::fill(row + hi, row + keys, minus_inf);
+      }
+    }
+    if (width > keys) {
+      for (Index r = 0; r < rows; ++r)
+        std::fill(s + r * stride + keys, s + r * stride + width, minus_inf);
     }
   }
 
