@@ -69,8 +69,7 @@ struct Problem {
   void backward(const attn::AttentionOptions<float>& options) {
     attn::scaled_dot_product_attention_backward_into<float>(
         view(q), view(k), view(v), view(static_cast<const std::vector<float>&>(out)), lse.data(),
-        view(static_cast<const std::vector<float>&>(dout)), view(dq), view(dk), view(dv),
-        options);
+        view(static_cast<const std::vector<float>&>(dout)), view(dq), view(dk), view(dv), options);
   }
 };
 
@@ -120,17 +119,15 @@ void BM_attention(benchmark::State& state) {
   const double pairs = static_cast<double>(length) * static_cast<double>(length) *
                        (causal ? 0.5 : 1.0) * static_cast<double>(heads);
   const double products = pass == 0 ? 2 : 5;
-  state.counters["FLOPS"] =
-      benchmark::Counter(2.0 * products * static_cast<double>(dim) * pairs,
-                         benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["FLOPS"] = benchmark::Counter(2.0 * products * static_cast<double>(dim) * pairs,
+                                               benchmark::Counter::kIsIterationInvariantRate);
   set_threads(1);
 }
 
 void register_all() {
   attn_bench::register_fma_peak();
-  const std::vector<std::int64_t> lengths = smoke() ? std::vector<std::int64_t>{256}
-                                                    : std::vector<std::int64_t>{1024, 2048, 4096,
-                                                                                8192};
+  const std::vector<std::int64_t> lengths =
+      smoke() ? std::vector<std::int64_t>{256} : std::vector<std::int64_t>{1024, 2048, 4096, 8192};
   for (const std::int64_t pass : {0, 1, 2}) {
     for (const std::int64_t length : lengths) {
       if (pass == 2 && length > 2048)

@@ -561,3 +561,29 @@ TEST_CASE("the backward rejects bad shapes and options by name", "[backward][err
                           "packed views (varlen) are not supported by the backward: pad the "
                           "sequences and give key_lengths and query_lengths");
 }
+
+TEST_CASE("the backward of empty problems gives empty or zero gradients", "[backward]") {
+  // (B, Hq, Lq, Lk, Dv): no batch, no queries, no keys (every query sees nothing), no value dim.
+  const Index sizes[4][5] = {{0, 2, 3, 4, 2}, {1, 2, 0, 4, 2}, {1, 2, 3, 0, 2}, {1, 2, 3, 4, 0}};
+  for (const auto& z : sizes) {
+    INFO("B " << z[0] << ", Lq " << z[2] << ", Lk " << z[3] << ", Dv " << z[4]);
+    attn::Tensor<float, 4> q(z[0], z[1], z[2], 3), k(z[0], 1, z[3], 3), v(z[0], 1, z[3], z[4]),
+        dout(z[0], z[1], z[2], z[4]);
+    for (auto* t : {&q, &k, &v, &dout})
+      t->setRandom();
+    attn::Tensor<float, 3> lse;
+    const attn::Tensor<float, 4> out =
+        attn::scaled_dot_product_attention(q, k, v, {}, nullptr, &lse);
+    for (const attn::Algorithm algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
+      attn::AttentionOptions<float> options;
+      options.algorithm = algorithm;
+      const auto g = attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, options);
+      REQUIRE(g.dq.dimensions() == q.dimensions());
+      REQUIRE(g.dk.dimensions() == k.dimensions());
+      REQUIRE(g.dv.dimensions() == v.dimensions());
+      for (const auto* t : {&g.dq, &g.dk, &g.dv})
+        for (Index n = 0; n < t->size(); ++n)
+          REQUIRE(t->data()[n] == 0.0f);
+    }
+  }
+}

@@ -50,9 +50,9 @@ namespace attn::detail {
 template <class T>
 struct BackwardWorkspace {
   Index width = 0, rows = 0;
-  Scratch<T> kt, vt, dkt, dvt;      // (D, W), (Dv, W), (D, W), (Dv, W)
-  Scratch<T> s, dp, raw;            // (Bq, W) each; raw with softcap only
-  Scratch<T> shift, sums, ones;     // (Bq), (Bq), (max(W, Bq))
+  Scratch<T> kt, vt, dkt, dvt;   // (D, W), (Dv, W), (D, W), (Dv, W)
+  Scratch<T> s, dp, raw;         // (Bq, W) each; raw with softcap only
+  Scratch<T> shift, sums, ones;  // (Bq), (Bq), (max(W, Bq))
 
   void reserve(Index w, Index bq, Index dim, Index value_dim, bool softcap) {
     width = w;
