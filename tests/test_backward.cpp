@@ -5,6 +5,7 @@
 // strided views and every error message.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -160,16 +161,22 @@ void check_against_reference(attn_test::reference::Problem p, int kind, std::mt1
   const std::vector<long double> plain_dbias =
       with_bias ? reduce_to_bias(as_long_double(plain.dbias), p) : std::vector<long double>{};
 
+  const auto forward_truth = attn_test::reference::attention<long double>(p, qe, ke, ve);
+  const double forward_bound = attn_test::error_bound<T>(attn_test::max_error(
+      attn_test::reference::attention<T>(p, qe, ke, ve).out, forward_truth.out));
   attn_test::AttnOptions<T> o(p);
   Heads<T> out(p.batch, p.q_heads, p.q_length, p.value_dim);
   std::vector<T> lse(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
-  attn::scaled_dot_product_attention_into<T>(q.cview(), k.cview(), v.cview(), out.view(), o.options,
-                                             nullptr, lse.data());
   for (const attn::Algorithm algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
     INFO(attn::algorithm_name(algorithm));
     o.options.algorithm = algorithm;
     o.options.query_tile = query_tile;
     o.options.key_tile = key_tile;
+    // The forward of the same algorithm (with dropout, its mask is the one the backward
+    // regenerates).
+    attn::scaled_dot_product_attention_into<T>(q.cview(), k.cview(), v.cview(), out.view(),
+                                               o.options, nullptr, lse.data());
+    CHECK(attn_test::max_error(out.data, forward_truth.out) <= forward_bound);
     Heads<T> dq(p.batch, p.q_heads, p.q_length, p.dim), dk(p.batch, p.kv_heads, p.k_length, p.dim),
         dv(p.batch, p.kv_heads, p.k_length, p.value_dim);
     std::vector<T> dbias(truth_dbias.size()), dsinks(p.sinks.size());
@@ -206,10 +213,14 @@ void sweep_against_reference() {
       const int kind = n % attn_test::mask_kinds;
       const Index* shape = shapes[n % 4];
       const Index dim = (n % 3 == 0) ? 8 : 16, value_dim = (n % 2 == 0) ? dim : 24;
+      attn_test::reference::Problem p = attn_test::masked_problem(
+          shape[0], shape[1], shape[2], q_length, k_length, dim, value_dim, kind, rng);
+      if (n % 2 == 1) {  // every other problem with dropout
+        p.dropout_p = 0.25L;
+        p.dropout_seed = static_cast<std::uint64_t>(n) * 1000003u;
+      }
       ++n;
-      check_against_reference<T>(attn_test::masked_problem(shape[0], shape[1], shape[2], q_length,
-                                                           k_length, dim, value_dim, kind, rng),
-                                 kind, rng, 16, 16);
+      check_against_reference<T>(p, kind, rng, 16, 16);
     }
   }
   for (int kind = 0; kind < attn_test::mask_kinds; ++kind) {
@@ -217,6 +228,11 @@ void sweep_against_reference() {
                                rng, 5, 7);
     check_against_reference<T>(attn_test::masked_problem(1, 2, 1, 130, 140, 64, 40, kind, rng),
                                kind, rng, 0, 0);
+    attn_test::reference::Problem dropped =
+        attn_test::masked_problem(2, 2, 2, 70, 90, 16, 16, kind, rng);
+    dropped.dropout_p = 0.5L;
+    dropped.dropout_seed = 0xFFFFFFFFFFull + static_cast<std::uint64_t>(kind);
+    check_against_reference<T>(dropped, kind, rng, 32, 16);
   }
 }
 
@@ -585,5 +601,147 @@ TEST_CASE("the backward of empty problems gives empty or zero gradients", "[back
         for (Index n = 0; n < t->size(); ++n)
           REQUIRE(t->data()[n] == 0.0f);
     }
+  }
+}
+
+namespace {
+
+/// backward.json's dropout cases (their own inputs; the mask from docs/training.md's rule,
+/// re-implemented in Python): the forward's out and the gradients of both algorithms.
+template <class T>
+void dropout_fixtures_match_autograd() {
+  const double tolerance = std::is_same_v<T, double> ? 1e-10 : 1e-4;
+  const auto& cases = ATTN_FIXTURE_CASES("backward.json", "dropout_cases", 3);
+  for (const auto& c : cases) {
+    INFO(c.at("name").template get<std::string>());
+    const attn::Tensor<T, 4> q = attn_test::tensor<T, 4>(c.at("q"));
+    const attn::Tensor<T, 4> k = attn_test::tensor<T, 4>(c.at("k"));
+    const attn::Tensor<T, 4> v = attn_test::tensor<T, 4>(c.at("v"));
+    const attn::Tensor<T, 4> dout = attn_test::tensor<T, 4>(c.at("dout"));
+    attn::Tensor<T, 4> bias;
+    attn::AttentionOptions<T> options;
+    const std::string causal = c.at("causal").template get<std::string>();
+    options.causal = causal == "top_left"       ? attn::Causal::top_left
+                     : causal == "bottom_right" ? attn::Causal::bottom_right
+                                                : attn::Causal::none;
+    if (!c.at("bias").is_null()) {
+      bias = attn_test::tensor<T, 4>(c.at("bias"));
+      options.bias = bias;
+    }
+    if (!c.at("sinks").is_null()) {
+      for (const double x : c.at("sinks").template get<std::vector<double>>())
+        options.sinks.push_back(static_cast<T>(x));
+    }
+    options.dropout_p = static_cast<T>(c.at("dropout_p").template get<double>());
+    options.dropout_seed = c.at("dropout_seed").template get<std::uint64_t>();
+    for (const attn::Algorithm algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
+      INFO(attn::algorithm_name(algorithm));
+      options.algorithm = algorithm;
+      attn::Tensor<T, 3> lse;
+      const attn::Tensor<T, 4> out =
+          attn::scaled_dot_product_attention(q, k, v, options, nullptr, &lse);
+      CHECK(scaled_error(flat(out), attn_test::values_of(c.at("out"))) <= tolerance);
+      const auto g = attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, options,
+                                                                 !options.bias.empty());
+      CHECK(scaled_error(flat(g.dq), attn_test::values_of(c.at("dq"))) <= tolerance);
+      CHECK(scaled_error(flat(g.dk), attn_test::values_of(c.at("dk"))) <= tolerance);
+      CHECK(scaled_error(flat(g.dv), attn_test::values_of(c.at("dv"))) <= tolerance);
+      if (!options.bias.empty())
+        CHECK(scaled_error(flat(g.dbias), attn_test::values_of(c.at("dbias"))) <= tolerance);
+      if (!options.sinks.empty()) {
+        CHECK(scaled_error(g.dsinks, c.at("dsinks").template get<std::vector<double>>()) <=
+              tolerance);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("dropout matches torch autograd with the documented mask",
+                                    "[backward][dropout]", dropout_fixtures_match_autograd)
+
+TEST_CASE("dropout drops weights at its rate and scales the others", "[backward][dropout]") {
+  // One head, 512 x 512 visible weights: the dropped share within 5 standard deviations of p,
+  // and every kept weight equal to the undropped one times 1 / (1 - p).
+  const attn::Matrix<double> q = attn::Matrix<double>::Random(512, 8);
+  const attn::Matrix<double> k = attn::Matrix<double>::Random(512, 8);
+  const attn::Matrix<double> v = attn::Matrix<double>::Random(512, 4);
+  attn::Matrix<double> weights, dropped_weights;
+  attn::scaled_dot_product_attention(q, k, v, {}, &weights);
+  for (const double p : {0.1, 0.3, 0.7}) {
+    INFO("p " << p);
+    attn::AttentionOptions<double> options;
+    options.dropout_p = p;
+    options.dropout_seed = 42;
+    attn::scaled_dot_product_attention(q, k, v, options, &dropped_weights);
+    Index dropped = 0;
+    double worst = 0;  // relative error of the kept weights against weights / (1 - p)
+    for (Index i = 0; i < 512; ++i) {
+      for (Index j = 0; j < 512; ++j) {
+        if (dropped_weights(i, j) == 0.0) {
+          ++dropped;
+        } else {
+          const double expected = weights(i, j) / (1 - p);
+          worst = std::max(worst, std::abs(dropped_weights(i, j) - expected) / expected);
+        }
+      }
+    }
+    CHECK(worst <= 1e-14);
+    const double rate = static_cast<double>(dropped) / (512.0 * 512.0);
+    CHECK(std::abs(rate - p) <= 5 * std::sqrt(p * (1 - p) / (512.0 * 512.0)));
+    // The same seed gives the same mask; another seed another one.
+    attn::Matrix<double> again, other;
+    attn::scaled_dot_product_attention(q, k, v, options, &again);
+    REQUIRE(again == dropped_weights);
+    options.dropout_seed = 43;
+    attn::scaled_dot_product_attention(q, k, v, options, &other);
+    REQUIRE(other != dropped_weights);
+  }
+}
+
+TEST_CASE("dropout's mask does not depend on tiles or the kernel", "[backward][dropout][isa]") {
+  std::mt19937 rng(17u);
+  const Heads<float> q = attn_test::random_heads<float>(2, 2, 150, 32, rng);
+  const Heads<float> k = attn_test::random_heads<float>(2, 2, 170, 32, rng);
+  const Heads<float> v = attn_test::random_heads<float>(2, 2, 170, 32, rng);
+  attn::AttentionOptions<float> options;
+  options.dropout_p = 0.4f;
+  options.dropout_seed = 5;
+  options.algorithm = attn::Algorithm::naive;
+  Heads<float> expected(2, 2, 150, 32), out(2, 2, 150, 32);
+  attn::scaled_dot_product_attention_into<float>(q.cview(), k.cview(), v.cview(), expected.view(),
+                                                 options);
+  options.algorithm = attn::Algorithm::flash;
+  for (const Index tile : {Index(0), Index(7), Index(64)}) {
+    options.query_tile = tile;
+    options.key_tile = tile == 7 ? 5 : tile;
+    attn::scaled_dot_product_attention_into<float>(q.cview(), k.cview(), v.cview(), out.view(),
+                                                   options);
+    INFO("tiles " << tile);
+    CHECK(attn_test::max_error(out.data, expected.data) <= 1e-5);
+  }
+}
+
+TEST_CASE("dropout is validated and refused by chunked and decode", "[backward][dropout][errors]") {
+  attn::Tensor<float, 4> q(1, 1, 4, 2), k(1, 1, 4, 2), v(1, 1, 4, 2);
+  q.setRandom();
+  k.setRandom();
+  v.setRandom();
+  attn::AttentionOptions<float> options;
+  for (const float p : {1.0f, -0.1f, std::numeric_limits<float>::quiet_NaN()}) {
+    options.dropout_p = p;
+    REQUIRE_THROWS_WITH(
+        attn::scaled_dot_product_attention(q, k, v, options),
+        "scaled_dot_product_attention: dropout_p is " + std::to_string(p) + ": must lie in [0, 1)");
+  }
+  options.dropout_p = 0.5f;
+  for (const attn::Algorithm algorithm : {attn::Algorithm::chunked, attn::Algorithm::decode}) {
+    options.algorithm = algorithm;
+    REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention(q, k, v, options),
+                        std::string("scaled_dot_product_attention: dropout was asked of "
+                                    "Algorithm::") +
+                            attn::algorithm_name(algorithm) +
+                            ": only naive and flash (or automatic) apply it");
   }
 }

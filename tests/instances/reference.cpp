@@ -75,7 +75,8 @@ Result<R> attention(const Problem& p, const std::vector<long double>& q,
           if (!seen[static_cast<std::size_t>(j)])
             continue;
           const R w =
-              round(rounding.probabilities, std::exp(s[static_cast<std::size_t>(j)] - m) / sum);
+              round(rounding.probabilities, std::exp(s[static_cast<std::size_t>(j)] - m) / sum) *
+              static_cast<R>(p.dropout_factor(b, h, i, j));
           r.weights[static_cast<std::size_t>(row * p.k_length + j)] = w;
           for (Index e = 0; e < p.value_dim; ++e) {
             r.out[static_cast<std::size_t>(row * p.value_dim + e)] +=
@@ -109,7 +110,11 @@ template <class R>
 Gradients<R> gradients(const Problem& p, const std::vector<long double>& q,
                        const std::vector<long double>& k, const std::vector<long double>& v,
                        const std::vector<long double>& dout) {
-  const Result<R> forward = attention<R>(p, q, k, v);
+  const Result<R> forward = attention<R>(p, q, k, v);  // weights after dropout: p f
+  Problem undropped = p;
+  undropped.dropout_p = 0;
+  const std::vector<R> probabilities =
+      p.dropout_p == 0 ? forward.weights : attention<R>(undropped, q, k, v).weights;
   const auto real = [](long double x) { return static_cast<R>(x); };
   const auto at = [](Index n) { return static_cast<std::size_t>(n); };
   const R scale = static_cast<R>(p.scale_or_default());
@@ -137,10 +142,12 @@ Gradients<R> gradients(const Problem& p, const std::vector<long double>& q,
             continue;
           const Index key = kv * p.k_length + j;
           const R w = forward.weights[at(row * p.k_length + j)];
+          const R probability = probabilities[at(row * p.k_length + j)];
+          const R factor_of_dropout = static_cast<R>(p.dropout_factor(b, h, i, j));
           R dp = 0;
           for (Index e = 0; e < p.value_dim; ++e)
             dp += real(dout[at(row * p.value_dim + e)]) * real(v[at(key * p.value_dim + e)]);
-          const R ds = w * (dp - delta);
+          const R ds = probability * (factor_of_dropout * dp - delta);
           g.dbias[at(row * p.k_length + j)] = ds;
           R factor = 1;
           if (p.softcap) {

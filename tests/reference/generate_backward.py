@@ -15,6 +15,10 @@ broadcast dimensions) and dsinks. Rows that see no key (or only scores of -inf) 
 softmax of NaN in that formula; their scores are replaced by zeros and their weights by zeros,
 so their gradients are zero, the library's documented rule.
 
+"dropout_cases" adds cases with dropout (sdpa.json has none): their own inputs, the dropout
+factors computed from docs/training.md's rule (re-implemented here from the text), and the
+forward's out beside the gradients.
+
 Each case is cross-checked by central finite differences of the same loss in float64 on a few
 entries of every input (an independent check of the autograd graph). Cases whose bias has
 -inf entries keep those entries' dbias at the value autograd gives them (0: the key is hidden).
@@ -74,6 +78,9 @@ def forward(c, q, k, v, bias, sinks):
     if sinks is not None:
         column = sinks.view(1, Hq, 1, 1).expand(B, Hq, Lq, 1)
         w = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1]
+        if c.get("dropout_p"):
+            w = w * torch.tensor(dropout_factors(B, Hq, Lq, Lk, c["dropout_p"],
+                                                 c["dropout_seed"]))
     else:
         # A row with no finite score (no visible key, or a bias of -inf on all of them):
         # its softmax is NaN, and so would be its gradients; the rule is zeros. The scores of
@@ -82,7 +89,39 @@ def forward(c, q, k, v, bias, sinks):
         s = torch.where(sees_something, s, torch.zeros_like(s))
         w = torch.softmax(s, dim=-1)
         w = torch.where(sees_something, w, torch.zeros_like(w))
+        if c.get("dropout_p"):
+            w = w * torch.tensor(dropout_factors(B, Hq, Lq, Lk, c["dropout_p"],
+                                                 c["dropout_seed"]))
     return torch.matmul(w, vt)
+
+
+def mix64(z):
+    z = (z + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+def mix32(x):
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def dropout_factors(B, Hq, Lq, Lk, p, seed):
+    """docs/training.md's dropout rule: f (B, Hq, Lq, Lk), 0 or 1 / (1 - p)."""
+    threshold = round(p * 2 ** 32)
+    f = np.zeros((B, Hq, Lq, Lk))
+    for b in range(B):
+        for h in range(Hq):
+            for i in range(Lq):
+                row = mix64(mix64(mix64(mix64(seed) ^ b) ^ h) ^ i) >> 32
+                for j in range(Lk):
+                    x = mix32((row + j * 0x9E3779B9) & 0xFFFFFFFF)
+                    f[b, h, i, j] = 1.0 / (1.0 - p) if x >= threshold else 0.0
+    return f
 
 
 def gradients(c, dout):
@@ -93,9 +132,10 @@ def gradients(c, dout):
     inputs["sinks"] = (None if c["sinks"] is None
                        else torch.tensor(c["sinks"], requires_grad=True))
     out = forward(c, inputs["q"], inputs["k"], inputs["v"], inputs["bias"], inputs["sinks"])
-    expected_out = load_array(c["out"])
-    assert np.allclose(out.detach().numpy(), expected_out, rtol=1e-12, atol=1e-12), \
-        c["name"] + ": the forward differs from sdpa.json"
+    if "out" in c:
+        expected_out = load_array(c["out"])
+        assert np.allclose(out.detach().numpy(), expected_out, rtol=1e-12, atol=1e-12), \
+            c["name"] + ": the forward differs from sdpa.json"
     loss = (out * torch.tensor(dout)).sum()
     wanted = [t for t in inputs.values() if t is not None]
     grads = torch.autograd.grad(loss, wanted, allow_unused=True)
@@ -163,7 +203,51 @@ def main():
             "dsinks": None if grads["sinks"] is None else [float(x) for x in grads["sinks"]],
         })
         print("  %-80s ok" % c["name"])
-    path = generate.write_json("backward.json", {"cases": cases})
+    # Dropout: cases of their own (sdpa.json has none), with the forward's out and lse.
+    dropout_cases = []
+    for name, B, Hq, Hkv, Lq, Lk, D, Dv, p, seed, causal, with_bias, with_sinks in (
+            ("dropout_0.3_causal_bottom_right_gqa", 2, 4, 2, 7, 9, 5, 3, 0.3, 7, "bottom_right",
+             False, False),
+            ("dropout_0.5_bias_1_h_lq_lk", 1, 2, 2, 6, 11, 4, 4, 0.5, 123456789, "none", True,
+             False),
+            ("dropout_0.1_sinks_causal_top_left", 2, 2, 1, 8, 8, 3, 5, 0.1, 2 ** 40 + 3,
+             "top_left", False, True)):
+        rng = np.random.default_rng(zlib.crc32(name.encode("utf-8")))
+        c = {"name": name,
+             "q": generate.tensor(generate.f32(rng.standard_normal((B, Hq, Lq, D)))),
+             "k": generate.tensor(generate.f32(rng.standard_normal((B, Hkv, Lk, D)))),
+             "v": generate.tensor(generate.f32(rng.standard_normal((B, Hkv, Lk, Dv)))),
+             "scale": None, "causal": causal, "window": [-1, -1], "key_lengths": None,
+             "keep_mask": None,
+             "bias": (generate.tensor(generate.f32(rng.standard_normal((1, Hq, Lq, Lk))))
+                      if with_bias else None),
+             "alibi_slopes": None, "softcap": None, "query_lengths": None, "sink_tokens": 0,
+             "sinks": ([float(np.float32(x)) for x in rng.standard_normal(Hq)]
+                       if with_sinks else None),
+             "dropout_p": p, "dropout_seed": seed}
+        f = dropout_factors(B, Hq, Lq, Lk, p, seed)
+        visible = generate.visibility_torch(B, Hq, Lq, Lk, causal, [-1, -1], None, None).numpy()
+        kept = (f[visible] > 0).mean()
+        assert abs(kept - (1 - p)) < 0.2, name + ": keep rate %g" % kept
+        dout = generate.f32(rng.standard_normal((B, Hq, Lq, Dv)))
+        inputs, grads = gradients(c, dout)
+        finite_difference_check(c, dout, inputs, grads, rng)
+        with torch.no_grad():
+            out = forward(c, inputs["q"], inputs["k"], inputs["v"], inputs["bias"],
+                          inputs["sinks"]).numpy()
+        c.update({
+            "out": generate.tensor(out),
+            "dout": generate.tensor(dout),
+            "dq": generate.tensor(grads["q"].numpy()),
+            "dk": generate.tensor(grads["k"].numpy()),
+            "dv": generate.tensor(grads["v"].numpy()),
+            "dbias": None if grads["bias"] is None else generate.tensor(grads["bias"].numpy()),
+            "dsinks": None if grads["sinks"] is None else [float(x) for x in grads["sinks"]],
+        })
+        dropout_cases.append(c)
+        print("  %-80s ok (kept %.3f)" % (name, kept))
+    path = generate.write_json("backward.json", {"cases": cases,
+                                                 "dropout_cases": dropout_cases})
     print("wrote %s (%d cases, %d bytes)" % (os.path.relpath(path), len(cases),
                                             os.path.getsize(path)))
 

@@ -51,10 +51,10 @@ template <class T>
 struct BackwardWorkspace {
   Index width = 0, rows = 0;
   Scratch<T> kt, vt, dkt, dvt;   // (D, W), (Dv, W), (D, W), (Dv, W)
-  Scratch<T> s, dp, raw;         // (Bq, W) each; raw with softcap only
+  Scratch<T> s, dp, raw, drop;   // (Bq, W) each; raw with softcap, drop with dropout
   Scratch<T> shift, sums, ones;  // (Bq), (Bq), (max(W, Bq))
 
-  void reserve(Index w, Index bq, Index dim, Index value_dim, bool softcap) {
+  void reserve(Index w, Index bq, Index dim, Index value_dim, bool softcap, bool dropout) {
     width = w;
     rows = bq;
     kt.resize(dim, w);
@@ -65,6 +65,8 @@ struct BackwardWorkspace {
     dp.resize(bq, w);
     if (softcap)
       raw.resize(bq, w);
+    if (dropout)
+      drop.resize(bq, w);
     shift.resize(bq);
     sums.resize(bq);
     ones.resize(std::max(w, bq));
@@ -164,7 +166,7 @@ void run_flash_backward(const KernelPlan& plan,
     const auto make_scratch = [&] {
       Scratch s;
       s.workspace.reserve(K::padded_width(std::max<Index>(1, std::min(key_tile, k.length))),
-                          query_tile, q.dim, v.dim, softcap.has_value());
+                          query_tile, q.dim, v.dim, softcap.has_value(), mask.dropout().active());
       s.delta.resize(group, q_length);
       if constexpr (widened) {
         s.q_heads.resize(static_cast<std::size_t>(group));

@@ -22,8 +22,9 @@
 // For the rows i of a query tile and the keys j of the key tile (z = the masked, modified
 // scores; lse_i saved by the forward, delta_i = dout_i . out_i):
 //   p_ij  = exp(z_ij - lse_i)
-//   ds_ij = p_ij (dout_i . v_j - delta_i) * (1 - tanh^2(s_ij / cap))   (the factor with softcap)
-//   dv_j += sum_i p_ij dout_i,  dk_j += scale sum_i ds_ij q_i,  dq_i += scale sum_j ds_ij k_j
+//   ds_ij = p_ij (f_ij dout_i . v_j - delta_i) * (1 - tanh^2(s_ij / cap))   (softcap's factor)
+//   dv_j += sum_i f_ij p_ij dout_i,   f_ij = the dropout's factor (attn/dropout.hpp), else 1
+//  dk_j += scale sum_i ds_ij q_i,  dq_i += scale sum_j ds_ij k_j
 
 struct BackwardKernels {
   static constexpr Isa level = isa;
@@ -38,8 +39,8 @@ struct BackwardKernels {
   ///           hide on this key tile:
   ///             s = q kt, masked as in the forward (and -inf in the padding columns);
   ///             p = exp(s - lse) (a row whose lse is -inf sees only -inf scores: shift 0)
-  ///             dvt += dout^T p
-  ///             dp = dout vt;  ds = scale * p (dp - delta) (* the softcap factor)
+  ///             dvt += dout^T (p f)   (f: the dropout's factors, regenerated; 1 without)
+  ///             dp = dout vt;  ds = scale * p (f dp - delta) (* the softcap factor)
   ///             dkt += q^T ds;  dq += ds k
   ///   pass 3: dk = dkt^T, dv = dvt^T (zeros if no query sees the tile)
   template <class T, class Heads>
@@ -89,16 +90,36 @@ struct BackwardKernels {
           shift[r] = lse == minus_inf ? T(0) : lse;
         }
         exp_rows(s, stride, rows, width, shift, workspace.sums.data());  // p
-        accumulate(s, stride, rows, width, dout_rows, head.dout.outerStride(), value_dim,
-                   first ? nullptr : ones, dvt, stride);
+        const Dropout<T>& dropout = mask.dropout();
+        if (dropout.active()) {  // f: the forward's dropout factors, regenerated; dv takes p f
+          T* f = workspace.drop.data();
+          for (Index r = 0; r < rows; ++r) {
+            T* f_row = f + r * stride;
+            dropout.factors_for_row(dropout.row_key(b, h, i0 + r), j0, keys, f_row);
+            std::fill(f_row + keys, f_row + width, T(0));
+            for (Index c = 0; c < width; ++c)
+              dp[r * stride + c] = s[r * stride + c] * f_row[c];
+          }
+          accumulate(dp, stride, rows, width, dout_rows, head.dout.outerStride(), value_dim,
+                     first ? nullptr : ones, dvt, stride);
+        } else {
+          accumulate(s, stride, rows, width, dout_rows, head.dout.outerStride(), value_dim,
+                     first ? nullptr : ones, dvt, stride);
+        }
         scores(dout_rows, head.dout.outerStride(), rows, vt, stride, value_dim, width, dp, stride,
                static_cast<T*>(nullptr));
         for (Index r = 0; r < rows; ++r) {
           const T* p = s + r * stride;
           T* ds = dp + r * stride;
           const T delta = head.delta[i0 + r];
-          for (Index c = 0; c < width; ++c)
-            ds[c] = scale * (p[c] * (ds[c] - delta));
+          if (dropout.active()) {  // ds = p (f dp - delta)
+            const T* f = workspace.drop.data() + r * stride;
+            for (Index c = 0; c < width; ++c)
+              ds[c] = scale * (p[c] * (f[c] * ds[c] - delta));
+          } else {
+            for (Index c = 0; c < width; ++c)
+              ds[c] = scale * (p[c] * (ds[c] - delta));
+          }
         }
         if (softcap)
           apply_softcap_derivative(workspace.raw.data(), rows * stride, *softcap, dp);

@@ -2,9 +2,9 @@
 // materialised; and the gradients of the bias and of the learned sinks, for every algorithm.
 //
 //   q, dq      (B, Hq, Lq, D)      p = exp(z - lse)             (z: the masked, modified scores)
-//   k, dk      (B, Hkv, Lk, D)     dp = dout v^T, delta = rowsum(dout * out)
-//   v, dv      (B, Hkv, Lk, Dv)    ds = p * (dp - delta) * (1 - tanh^2(s / cap) with softcap)
-//   out, dout  (B, Hq, Lq, Dv)     dq = scale ds k,  dk = scale ds^T q,  dv = p^T dout
+//   k, dk      (B, Hkv, Lk, D)     dp = dout v^T, delta = rowsum(dout * out), f = dropout
+//   v, dv      (B, Hkv, Lk, Dv)    ds = p * (f dp - delta) * (1 - tanh^2(s / cap) with softcap)
+//   out, dout  (B, Hq, Lq, Dv)     dq = scale ds k,  dk = scale ds^T q,  dv = (p f)^T dout
 //   lse        (B, Hq, Lq)         dbias = p * (dp - delta), summed over the bias's broadcast
 //                                  dimensions; dsink_h = -sum_i exp(sink_h - lse_i) delta_i
 //
@@ -41,13 +41,13 @@ namespace attn::detail {
 /// Scratch of the score gradients of a block of rows.
 template <class T>
 struct ScoreGradientScratch {
-  Matrix<T> p, ds, raw;  // (rows, n_k) each; raw with softcap only
+  Matrix<T> p, ds, raw, f;  // (rows, n_k) each; raw with softcap, f with dropout
 };
 
-/// The probabilities p and score gradients ds (with respect to the masked, modified scores z)
-/// of queries [i0, i0 + rows) of one (b, query head h) pair against its first n_k(b) keys,
-/// into s.p and s.ds (rows, n_k). The softcap factor is not applied (scale_score_gradients
-/// does it), so that ds is also the bias's gradient.
+/// The weights p (after dropout, if any: p f) and score gradients ds (with respect to the
+/// masked, modified scores z) of queries [i0, i0 + rows) of one (b, query head h) pair
+/// against its first n_k(b) keys, into s.p and s.ds (rows, n_k). The softcap factor is not applied
+/// (scale_score_gradients does it), so that ds is also the bias's gradient.
 template <class T>
 void score_gradients(const HeadMatrix<const T>& q,     // (rows, D)
                      const HeadMatrix<const T>& k,     // (Lk, D)
@@ -72,10 +72,19 @@ void score_gradients(const HeadMatrix<const T>& q,     // (rows, D)
       s.p(r, j) = std::exp(s.p(r, j) - shift);
   }
   s.ds.noalias() = dout * v.topRows(keys).transpose();
+  const Dropout<T>& dropout = mask.dropout();
+  if (dropout.active()) {  // ds = p (f dp - delta); then p becomes the dropped weights p f
+    s.f.resize(rows, keys);
+    for (Index r = 0; r < rows; ++r)
+      dropout.factors_for_row(dropout.row_key(b, h, i0 + r), 0, keys, s.f.row(r).data());
+    s.ds.array() *= s.f.array();
+  }
   for (Index r = 0; r < rows; ++r) {
     const T delta = dout.row(r).dot(out.row(r));
     s.ds.row(r) = s.p.row(r).cwiseProduct((s.ds.row(r).array() - delta).matrix());
   }
+  if (dropout.active())
+    s.p.array() *= s.f.array();
 }
 
 /// ds *= 1 - tanh^2(raw / cap), the derivative of the soft-capping (no-op without it).
