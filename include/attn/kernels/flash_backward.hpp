@@ -204,8 +204,8 @@ void run_flash_backward(const KernelPlan& plan,
       const Index keys = k.rows(b);
       const HeadMatrix<const T> k_head = widen(k, b, kv_head, s.k_head);
       const HeadMatrix<const T> v_head = widen(v, b, kv_head, s.v_head);
-      const HeadMatrix<T> dk_head = gradient(dk, b, kv_head, s.dk_head);
-      const HeadMatrix<T> dv_head = gradient(dv, b, kv_head, s.dv_head);
+      HeadMatrix<T> dk_head = gradient(dk, b, kv_head, s.dk_head);
+      HeadMatrix<T> dv_head = gradient(dv, b, kv_head, s.dv_head);
       std::vector<BackwardHead<T>> heads;
       heads.reserve(static_cast<std::size_t>(group));
       for (Index g = 0; g < group; ++g) {
@@ -225,10 +225,19 @@ void run_flash_backward(const KernelPlan& plan,
       const auto head_of = [&](Index g) -> const BackwardHead<T>& {
         return heads[static_cast<std::size_t>(g)];
       };
-      for (Index j0 = 0; j0 < keys; j0 += key_tile) {
-        K::template backward_key_tile<T>(k_head, v_head, dk_head, dv_head, head_of, group, mask,
-                                         softcap, b, kv_head, scale, j0,
-                                         std::min(key_tile, keys - j0), query_tile, s.workspace);
+      // Padding keys (j >= n_k(b)) are never visible: zeros, and no tile reaches them, so
+      // that a NaN row cannot reach them through 0 * NaN (naive does not score them either).
+      const Index real_keys = std::min(keys, mask.key_length(b));
+      for (Index j0 = 0; j0 < real_keys; j0 += key_tile) {
+        K::template backward_key_tile<T>(
+            k_head, v_head, dk_head, dv_head, head_of, group, mask, softcap, b, kv_head, scale, j0,
+            std::min(key_tile, real_keys - j0), query_tile, s.workspace);
+      }
+      if constexpr (!widened) {
+        if (real_keys < keys) {
+          dk_head.bottomRows(keys - real_keys).setZero();
+          dv_head.bottomRows(keys - real_keys).setZero();
+        }
       }
       if constexpr (widened) {
         for (Index g = 0; g < group; ++g) {

@@ -64,10 +64,9 @@ struct BackwardKernels {
     T* dp = workspace.dp.data();
     T* shift = workspace.shift.data();
     const T* ones = workspace.ones.data();
-    const T* k_tile = k.data() + j0 * k.outerStride();
+    const T* k_tile = row_of(k, j0);
     pack_queries(k_tile, k.outerStride(), keys, dim, scale, kt, stride, width);  // pass 1
-    pack_queries(v.data() + j0 * v.outerStride(), v.outerStride(), keys, value_dim, T(1), vt,
-                 stride, width);
+    pack_queries(row_of(v, j0), v.outerStride(), keys, value_dim, T(1), vt, stride, width);
     bool first = true;
     for (Index g = 0; g < group; ++g) {  // pass 2
       const Index h = kv_head * group + g;
@@ -78,8 +77,8 @@ struct BackwardKernels {
         const TileVisibility visibility = mask.classify(b, h, i0, i1, j0, j1);
         if (visibility == TileVisibility::hidden)
           continue;
-        const T* q_rows = head.q.data() + i0 * head.q.outerStride();
-        const T* dout_rows = head.dout.data() + i0 * head.dout.outerStride();
+        const T* q_rows = row_of(head.q, i0);
+        const T* dout_rows = row_of(head.dout, i0);
         scores(q_rows, head.q.outerStride(), rows, kt, stride, dim, width, s, stride,
                static_cast<T*>(nullptr));
         if (softcap)  // the raw scores, for the derivative of tanh
@@ -106,8 +105,12 @@ struct BackwardKernels {
           accumulate(s, stride, rows, width, dout_rows, head.dout.outerStride(), value_dim,
                      first ? nullptr : ones, dvt, stride);
         }
-        scores(dout_rows, head.dout.outerStride(), rows, vt, stride, value_dim, width, dp, stride,
-               static_cast<T*>(nullptr));
+        if (value_dim > 0) {
+          scores(dout_rows, head.dout.outerStride(), rows, vt, stride, value_dim, width, dp, stride,
+                 static_cast<T*>(nullptr));
+        } else {  // Dv = 0: dp is 0 (and vt an empty buffer)
+          std::fill_n(dp, rows * stride, T(0));
+        }
         for (Index r = 0; r < rows; ++r) {
           const T* p = s + r * stride;
           T* ds = dp + r * stride;
@@ -126,18 +129,24 @@ struct BackwardKernels {
         accumulate(dp, stride, rows, width, q_rows, head.q.outerStride(), dim,
                    first ? nullptr : ones, dkt, stride);
         weighted_sum(dp, stride, rows, k_tile, k.outerStride(), keys, dim, ones,
-                     head.dq.data() + i0 * head.dq.outerStride(), head.dq.outerStride());
+                     row_of(head.dq, i0), head.dq.outerStride());
         first = false;
       }
     }
     for (Index j = 0; j < keys; ++j) {  // pass 3
-      T* dk_row = dk.row(j0 + j).data();
-      T* dv_row = dv.row(j0 + j).data();
+      T* dk_row = row_of(dk, j0 + j);
+      T* dv_row = row_of(dv, j0 + j);
       for (Index d = 0; d < dim; ++d)
         dk_row[d] = first ? T(0) : dkt[d * stride + j];
       for (Index e = 0; e < value_dim; ++e)
         dv_row[e] = first ? T(0) : dvt[e * stride + j];
     }
+  }
+
+  /// Row i of m, or null for an empty matrix (no arithmetic on a null pointer).
+  template <class Map>  // a HeadMatrix, by value: its data() keeps the map's constness
+  static auto row_of(Map m, Index i) -> decltype(m.data()) {
+    return m.data() == nullptr ? nullptr : m.data() + i * m.outerStride();
   }
 
   /// Hides what the mask hides in the scores s (rows, width) of queries [i0, i0 + rows) and
