@@ -4,8 +4,10 @@
 // exits non-zero if the peak extra memory (the growth of the resident set, measured with
 // getrusage after the inputs of the longest run are allocated and touched; a running
 // maximum, so each row reports the peak up to and including that run) reaches 64 MiB.
-// Causal, so each run does half the work (~0.14 and ~0.55 TFLOP). ATTN_LONG_CONTEXT_LENGTH
-// runs one other length instead (the sanitizer build uses 8192).
+// Causal, so each run does half the work (~0.14 and ~0.55 TFLOP). Then the flash backward
+// (attn/attention_backward.hpp) at the lengths up to 32768 (~0.34 TFLOP there), under the same
+// 64 MiB rule: its extra memory does not grow with L either. ATTN_LONG_CONTEXT_LENGTH runs one
+// other length instead (the sanitizer build uses 8192).
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -17,6 +19,7 @@
 #include <vector>
 
 #include <attn/attention.hpp>
+#include <attn/attention_backward.hpp>
 
 namespace {
 
@@ -39,9 +42,15 @@ int main() {
   // q, k, v (1, 1, L, D) and out (1, 1, L, D) for the longest L (shorter runs use the first
   // L rows): allocated and touched before the first reading.
   std::vector<float> q(n), k(n), v(n), out(n, 0.0f);
+  // The backward's inputs and outputs: dout, the log-sum-exp, dq, dk, dv.
+  constexpr Index longest_backward = 32768;
+  const Index backward_rows = std::min(longest, longest_backward);
+  const auto nb = static_cast<std::size_t>(backward_rows * dim);
+  std::vector<float> dout(nb), lse(static_cast<std::size_t>(backward_rows), 0.0f), dq(nb, 0.0f),
+      dk(nb, 0.0f), dv(nb, 0.0f);
   std::mt19937 rng(1u);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (std::vector<float>* t : {&q, &k, &v})
+  for (std::vector<float>* t : {&q, &k, &v, &dout})
     for (float& x : *t)
       x = normal(rng);
 
@@ -83,7 +92,47 @@ int main() {
       ok = false;
     }
   }
+  std::printf("\nflash backward (dq, dk, dv), the same problems up to L = %ld\n",
+              static_cast<long>(longest_backward));
+  std::printf("%8s %9s %9s %19s\n", "L", "time", "GFLOP/s", "peak extra memory");
+  for (const Index length : lengths) {
+    if (length > longest_backward)
+      continue;
+    const auto view = [&](std::vector<float>& x) {
+      return attn::bhld_view(x.data(), Index(1), Index(1), length, dim);
+    };
+    const auto cview = [&](const std::vector<float>& x) {
+      return attn::bhld_view(x.data(), Index(1), Index(1), length, dim);
+    };
+    attn::scaled_dot_product_attention_into<float>(cview(q), cview(k), cview(v), view(out), options,
+                                                   nullptr, lse.data());
+    const auto start = std::chrono::steady_clock::now();
+    attn::scaled_dot_product_attention_backward_into<float>(cview(q), cview(k), cview(v),
+                                                            cview(out), lse.data(), cview(dout),
+                                                            view(dq), view(dk), view(dv), options);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double extra_mib = static_cast<double>(max_rss_kib() - before) / 1024.0;
+    bool finite = true;
+    for (std::size_t x = 0; x < static_cast<std::size_t>(length * dim); ++x)
+      finite = finite && std::isfinite(dq[x]) && std::isfinite(dk[x]) && std::isfinite(dv[x]);
+    const auto lf = static_cast<double>(length);
+    const double flops = 10.0 * lf * (lf + 1) / 2 * static_cast<double>(dim);  // five products
+    std::printf("%8ld %7.2f s %9.1f %15.2f MiB\n", static_cast<long>(length), seconds,
+                flops / seconds / 1e9, extra_mib);
+    if (!finite) {
+      std::printf("FAILED: non-finite gradients at L = %ld\n", static_cast<long>(length));
+      ok = false;
+    }
+    if (extra_mib >= 64.0) {
+      std::printf("FAILED: peak extra memory %.2f MiB >= 64 MiB in the backward at L = %ld\n",
+                  extra_mib, static_cast<long>(length));
+      ok = false;
+    }
+  }
   if (ok)
-    std::printf("OK: peak extra memory < 64 MiB at every length; naive would need the GiB above\n");
+    std::printf(
+        "OK: peak extra memory < 64 MiB at every length, forward and backward; naive "
+        "would need the GiB above\n");
   return ok ? 0 : 1;
 }

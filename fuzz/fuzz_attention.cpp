@@ -35,6 +35,8 @@
 //                                                      2 max|ds| in l1)
 //     and log-sum-exp within 64 eps max(|ref|, 1) + 2 (D + 4) eps S, -inf exactly where the
 //     reference has -inf;
+//   - the flash backward on every instruction set agrees with the naive backward (no NaN or
+//     large values; the bound is at check_backward);
 //   - linear_attention (elu + 1, causal or not, key_lengths, no NaN or large values) agrees
 //     with its quadratic form in R within (64 + 4 (D + Lk)) eps max(1, max|v|).
 #include <algorithm>
@@ -49,6 +51,7 @@
 #include <vector>
 
 #include <attn/attention.hpp>
+#include <attn/attention_backward.hpp>
 #include <attn/cpu.hpp>
 #include <attn/linear_attention.hpp>
 
@@ -870,9 +873,94 @@ void check_linear(const Problem& p) {
   }
 }
 
+/// The flash backward on every instruction set against the naive backward, from the naive
+/// forward's out and log-sum-exp, for valid problems without NaN or large values:
+///   |flash - naive| <= (64 + 4 (Lq + Lk + D + Dv)) eps (1 + S) max(1, max |naive|)
+/// per gradient (dq, dk, dv, dbias, dsinks), S the largest |term| of a visible logit;
+/// elements the naive backward leaves NaN (rows with a +inf bias) are not compared.
+template <class T>
+void check_backward(const Problem& p) {
+  Typed<T> typed(p);
+  if (!typed.run(p, attn::Algorithm::naive).empty())
+    fail(p, "the naive forward threw before the backward");
+  const auto view = [](std::vector<T>& x, Index b, Index h, Index l, Index d) {
+    return attn::bhld_view(x.data(), b, h, l, d);
+  };
+  const auto cview = [](const std::vector<T>& x, Index b, Index h, Index l, Index d) {
+    return attn::bhld_view(x.data(), b, h, l, d);
+  };
+  std::vector<T> dout(typed.out.size());
+  for (std::size_t n = 0; n < dout.size(); ++n)
+    dout[n] = static_cast<T>(std::cos(0.7 * static_cast<double>(n)));
+  struct Gradients {
+    std::vector<T> dq, dk, dv, dbias, dsinks;
+  };
+  const auto backward = [&](attn::Algorithm algorithm) {
+    Gradients g;
+    g.dq.resize(typed.q.size());
+    g.dk.resize(typed.k.size());
+    g.dv.resize(typed.v.size());
+    g.dbias.resize(typed.bias.size());
+    g.dsinks.resize(p.sinks.size());
+    attn::AttentionOptions<T> options = typed.options;
+    options.algorithm = algorithm;
+    attn::scaled_dot_product_attention_backward_into<T>(
+        cview(typed.q, p.batch, p.q_heads, p.q_length, p.dim),
+        cview(typed.k, p.batch, p.kv_heads, p.k_length, p.dim),
+        cview(typed.v, p.batch, p.kv_heads, p.k_length, p.value_dim),
+        cview(typed.out, p.batch, p.q_heads, p.q_length, p.value_dim), typed.lse.data(),
+        cview(dout, p.batch, p.q_heads, p.q_length, p.value_dim),
+        view(g.dq, p.batch, p.q_heads, p.q_length, p.dim),
+        view(g.dk, p.batch, p.kv_heads, p.k_length, p.dim),
+        view(g.dv, p.batch, p.kv_heads, p.k_length, p.value_dim), options,
+        g.dbias.empty() ? nullptr : g.dbias.data(), g.dsinks.empty() ? nullptr : g.dsinks.data());
+    return g;
+  };
+  const Gradients expected = backward(attn::Algorithm::naive);
+  double logit_scale = 0;
+  for (const RowRule& rule : row_rules(p))
+    logit_scale = std::max(logit_scale, rule.logit_scale);
+  const double eps = static_cast<double>(std::numeric_limits<T>::epsilon());
+  const double relative =
+      (64 + 4 * static_cast<double>(p.q_length + p.k_length + p.dim + p.value_dim)) * eps *
+      (1 + logit_scale);
+  for (const attn::Isa isa : attn::all_isas) {
+    if (!attn::isa_supported(isa))
+      continue;
+    const attn::ScopedIsa forced(isa);
+    const Gradients actual = backward(attn::Algorithm::flash);
+    const auto compare = [&](const char* name, const std::vector<T>& a, const std::vector<T>& e) {
+      double largest = 1;
+      for (const T x : e) {
+        if (std::isfinite(static_cast<double>(x)))
+          largest = std::max(largest, std::abs(static_cast<double>(x)));
+      }
+      for (std::size_t n = 0; n < e.size(); ++n) {
+        if (std::isnan(static_cast<double>(e[n])))
+          continue;  // a +inf bias makes its row NaN; where else NaN reaches is unspecified
+        const double error = std::abs(static_cast<double>(a[n]) - static_cast<double>(e[n]));
+        if (!(error <= relative * largest)) {
+          fail(p, std::string("flash backward/") + attn::isa_name(isa) + ": " + name + "[" +
+                      std::to_string(n) + "] is " + std::to_string(static_cast<double>(a[n])) +
+                      ", naive " + std::to_string(static_cast<double>(e[n])) + ", bound " +
+                      std::to_string(relative * largest));
+        }
+      }
+    };
+    compare("dq", actual.dq, expected.dq);
+    compare("dk", actual.dk, expected.dk);
+    compare("dv", actual.dv, expected.dv);
+    compare("dbias", actual.dbias, expected.dbias);
+    compare("dsinks", actual.dsinks, expected.dsinks);
+  }
+}
+
 template <class T, class R>
 void check(const Problem& p) {
   check_attention<T>(p);
+  // The backward needs the forward's own shapes (the invalid-shape problems have others).
+  if (p.invalid == Invalid::none && !p.has_nan && !p.large)
+    check_backward<T>(p);
   if (p.linear && p.invalid == Invalid::none && !p.has_nan && !p.large)
     check_linear<T, R>(p);
 }

@@ -334,7 +334,7 @@ TEST_CASE("decode handles no keys and no queries", "[decode][isa]") {
 TEST_CASE("automatic picks decode for few queries", "[decode][isa]") {
   const auto plan = [](Index q_length, attn::Algorithm algorithm, bool weights) {
     return attn::plan_attention<float>({1, 8, 8, q_length, 8192, 64, 64}, algorithm, 0, 0, weights,
-                                       "f");
+                                       false, "f");
   };
   const Index most = attn::decode_max_queries(attn::active_isa());
   REQUIRE(plan(1, attn::Algorithm::automatic, false).algorithm == attn::Algorithm::decode);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "attn/attention.hpp"
+#include "attn/attention_backward.hpp"
 #include "attn/config.hpp"
 #include "attn/cpu.hpp"
 #include "attn/heads.hpp"

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "attn/config.hpp"
+#include "attn/dropout.hpp"
 #include "attn/score_modifiers.hpp"
 #include "attn/tensor.hpp"
 
@@ -118,6 +119,13 @@ struct MaskOptions {
   /// runs over the visible scores and the sink, whose column is then dropped, so the weights
   /// sum to less than 1 and the log-sum-exp includes the sink. Not scaled, capped or biased.
   std::vector<T> sinks;
+  /// Attention dropout (attn/dropout.hpp): each weight is dropped with this probability,
+  /// in [0, 1), the others scaled by 1 / (1 - p); 0 = none. Not a mask of the scores, but
+  /// resolved with the mask so that every kernel sees one description. Naive and flash only.
+  T dropout_p = 0;
+  /// The seed of the dropout's generator: the same seed gives the same mask, in the forward
+  /// and the backward, whatever the kernel, tiles or threads.
+  std::uint64_t dropout_seed = 0;
 };
 
 /// A mask description resolved for one problem of shape (B, H, Lq, Lk) and validated.
@@ -147,7 +155,8 @@ class Mask {
         bias_(options.bias),
         alibi_slopes_(options.alibi_slopes),
         softcap_(options.softcap),
-        sinks_(options.sinks) {
+        sinks_(options.sinks),
+        dropout_(function, options.dropout_p, options.dropout_seed) {
     check_per_head(function, "alibi_slopes", alibi_slopes_);
     check_per_head(function, "sinks", sinks_);
     if (softcap_ && !(std::isfinite(*softcap_) && *softcap_ > T(0))) {
@@ -189,6 +198,9 @@ class Mask {
     return causal_ == Causal::none && window_.left < 0 && window_.right < 0 &&
            key_lengths_.empty() && query_lengths_.empty() && !has_keep_mask() && !modifies_scores();
   }
+
+  /// The dropout of the probabilities (inactive when dropout_p is 0).
+  const Dropout<T>& dropout() const { return dropout_; }
 
   /// The learned sink logit of query head h, or null when there are none.
   const T* sink(Index h) const {
@@ -447,6 +459,7 @@ class Mask {
   std::vector<T> alibi_slopes_;  // (H) or empty
   std::optional<T> softcap_;
   std::vector<T> sinks_;  // (H) or empty
+  Dropout<T> dropout_;
   std::array<Index, 4> keep_strides_{}, bias_strides_{};
 };
 

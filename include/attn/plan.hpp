@@ -111,7 +111,7 @@ constexpr const char* scalar_name() {
 /// naive and chunked always use Eigen's products (generic).
 template <class T>
 KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Index query_tile,
-                          Index key_tile, bool wants_weights,
+                          Index key_tile, bool wants_weights, bool dropout = false,
                           const char* function = "plan_attention") {
   if (query_tile < 0 || key_tile < 0) {
     detail::throw_invalid_argument(function, "query_tile is " + std::to_string(query_tile) +
@@ -125,9 +125,17 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
   if (requested == Algorithm::automatic) {
     if (wants_weights || q_length * k_length <= tiny_problem_scores)
       plan.algorithm = Algorithm::naive;
+    else if (dropout)  // dropout runs in naive and flash only
+      plan.algorithm = Algorithm::flash;
     else
       plan.algorithm = q_length <= decode_max_queries(isa) ? Algorithm::decode : Algorithm::flash;
   } else {
+    if (dropout && requested != Algorithm::naive && requested != Algorithm::flash) {
+      detail::throw_invalid_argument(function, std::string("dropout was asked of Algorithm::") +
+                                                   algorithm_name(requested) +
+                                                   ": only naive and flash (or automatic) "
+                                                   "apply it");
+    }
     if (wants_weights && requested != Algorithm::naive) {
       detail::throw_invalid_argument(function,
                                      std::string("weights were requested with Algorithm::") +
@@ -178,7 +186,7 @@ template <class T>
 KernelPlan plan_attention(const AttentionShape& shape, const AttentionOptions<T>& options,
                           bool wants_weights = false) {
   return plan_attention<T>(shape, options.algorithm, options.query_tile, options.key_tile,
-                           wants_weights);
+                           wants_weights, options.dropout_p > T(0));
 }
 
 }  // namespace attn

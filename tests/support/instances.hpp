@@ -16,6 +16,7 @@
 #include <Eigen/Core>
 
 #include <attn/attention.hpp>
+#include <attn/attention_backward.hpp>
 #include <attn/kernels/decode.hpp>
 #include <attn/kv_cache.hpp>
 #include <attn/linear_attention.hpp>
@@ -47,6 +48,15 @@
       const attn::HeadsView<const T>&, const attn::HeadsView<const T>&, \
       const attn::HeadsView<const T>&, const attn::HeadsView<T>&,       \
       const attn::LinearAttentionOptions<T>&)
+
+#define ATTN_TEST_BACKWARD(S)                                                               \
+  template void attn::detail::attention_backward_into<S>(                                   \
+      const attn::HeadsView<const S>&, const attn::HeadsView<const S>&,                     \
+      const attn::HeadsView<const S>&, const attn::HeadsView<const S>&,                     \
+      const attn::compute_scalar_t<S>*, const attn::HeadsView<const S>&,                    \
+      const attn::HeadsView<S>&, const attn::HeadsView<S>&, const attn::HeadsView<S>&,      \
+      const attn::AttentionOptions<attn::compute_scalar_t<S>>&, attn::compute_scalar_t<S>*, \
+      attn::compute_scalar_t<S>*)
 
 // tests/instances/attention_float.cpp: float, the scalar of every instruction set's vector kernels.
 #define ATTN_TEST_INSTANCES_FLOAT(X)               \
@@ -93,10 +103,18 @@
   X ATTN_TEST_LINEAR(float);                                  \
   X ATTN_TEST_LINEAR(double);
 
+// tests/instances/backward.cpp: the gradients of attention.
+#define ATTN_TEST_INSTANCES_BACKWARD(X) \
+  X ATTN_TEST_BACKWARD(float);          \
+  X ATTN_TEST_BACKWARD(double);         \
+  X ATTN_TEST_BACKWARD(Eigen::half);    \
+  X ATTN_TEST_BACKWARD(Eigen::bfloat16);
+
 #define ATTN_TEST_INSTANCES(X)  \
   ATTN_TEST_INSTANCES_FLOAT(X)  \
   ATTN_TEST_INSTANCES_DOUBLE(X) \
   ATTN_TEST_INSTANCES_16BIT(X)  \
-  ATTN_TEST_INSTANCES_LAYERS(X)
+  ATTN_TEST_INSTANCES_LAYERS(X) \
+  ATTN_TEST_INSTANCES_BACKWARD(X)
 
 ATTN_TEST_INSTANCES(extern)

@@ -258,6 +258,8 @@ struct AttnOptions {
       options.alibi_slopes.push_back(static_cast<T>(slope));
     if (p.softcap)
       options.softcap = static_cast<T>(*p.softcap);
+    options.dropout_p = static_cast<T>(p.dropout_p);
+    options.dropout_seed = p.dropout_seed;
   }
   AttnOptions(const AttnOptions&) = delete;
   AttnOptions& operator=(const AttnOptions&) = delete;

@@ -16,6 +16,7 @@
 #include <array>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -57,6 +58,8 @@ struct Problem {
   std::vector<long double> alibi_slopes;      ///< (Hq), or empty
   std::optional<long double> softcap;
   std::vector<long double> sinks;  ///< (Hq) learned sink logits, or empty
+  long double dropout_p = 0;       ///< docs/training.md's dropout rule; 0 = none
+  std::uint64_t dropout_seed = 0;
 
   Index keys_of(Index b) const {
     return key_lengths.empty() ? k_length : key_lengths[static_cast<std::size_t>(b)];
@@ -86,6 +89,31 @@ struct Problem {
     return keep.empty() || keep.at(b, h, i, j);
   }
 
+  /// The dropout factor of weight (b, h, i, j), from docs/training.md's rule: 0 when the
+  /// counter-based hash of (seed, b, h, i, j) falls under p * 2^32, else 1 / (1 - p).
+  long double dropout_factor(Index b, Index h, Index i, Index j) const {
+    if (dropout_p == 0)
+      return 1;
+    const auto splitmix = [](std::uint64_t z) {
+      z += 0x9E3779B97F4A7C15ull;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      return z ^ (z >> 31);
+    };
+    std::uint64_t key = splitmix(dropout_seed);
+    for (const Index n : {b, h, i})
+      key = splitmix(key ^ static_cast<std::uint64_t>(n));
+    std::uint32_t x =
+        static_cast<std::uint32_t>(key >> 32) + static_cast<std::uint32_t>(j) * 0x9E3779B9u;
+    x ^= x >> 16;
+    x *= 0x85EBCA6Bu;
+    x ^= x >> 13;
+    x *= 0xC2B2AE35u;
+    x ^= x >> 16;
+    const long double threshold = std::round(dropout_p * 4294967296.0L);
+    return static_cast<long double>(x) >= threshold ? 1 / (1 - dropout_p) : 0;
+  }
+
   long double scale_or_default() const {
     return scale ? *scale : 1.0L / std::sqrt(static_cast<long double>(dim));
   }
@@ -102,7 +130,7 @@ template <class R>
 struct Result {
   std::vector<R> out;      ///< (B, Hq, Lq, Dv)
   std::vector<R> lse;      ///< (B, Hq, Lq); -inf for a row that sees no key
-  std::vector<R> weights;  ///< (B, Hq, Lq, Lk); 0 for hidden keys
+  std::vector<R> weights;  ///< (B, Hq, Lq, Lk); 0 for hidden keys; after dropout
 };
 
 /// Attention with every operation in R (long double, double or float), on inputs given
@@ -136,5 +164,41 @@ extern template Result<float> attention<float>(const Problem&, const std::vector
                                                const std::vector<long double>&,
                                                const std::vector<long double>&,
                                                const Rounding<float>&);
+
+/// The gradients of L = sum(out * dout) (dout (B, Hq, Lq, Dv)), in R, from the forward's
+/// probabilities p, dropout factors f (1 without dropout), weights w = p f and out:
+///   delta_i = dout_i . out_i;  ds_ij = p_ij (f_ij dout_i . v_j - delta_i)    (visible j)
+///   dq_i = scale sum_j ds_ij g_ij k_j,  dk_j = scale sum_i ds_ij g_ij q_i,  dv_j = sum_i w_ij
+///   dout_i
+/// with g_ij = 1 - tanh^2(scale q_i . k_j / cap) under softcap (else 1); dbias (B, Hq, Lq, Lk)
+/// = ds (the caller sums it over a bias's broadcast dimensions); dsinks_h = -sum over b, i of
+/// exp(z_h - lse_i) delta_i. dk and dv sum over the query heads of a kv head.
+template <class R>
+struct Gradients {
+  std::vector<R> dq, dk, dv;  ///< q's, k's and v's shapes
+  std::vector<R> dbias;       ///< (B, Hq, Lq, Lk)
+  std::vector<R> dsinks;      ///< (Hq), or empty
+};
+
+template <class R>
+Gradients<R> gradients(const Problem& p,
+                       const std::vector<long double>& q,      // (B, Hq, Lq, D)
+                       const std::vector<long double>& k,      // (B, Hkv, Lk, D)
+                       const std::vector<long double>& v,      // (B, Hkv, Lk, Dv)
+                       const std::vector<long double>& dout);  // (B, Hq, Lq, Dv)
+
+extern template Gradients<long double> gradients<long double>(const Problem&,
+                                                              const std::vector<long double>&,
+                                                              const std::vector<long double>&,
+                                                              const std::vector<long double>&,
+                                                              const std::vector<long double>&);
+extern template Gradients<double> gradients<double>(const Problem&, const std::vector<long double>&,
+                                                    const std::vector<long double>&,
+                                                    const std::vector<long double>&,
+                                                    const std::vector<long double>&);
+extern template Gradients<float> gradients<float>(const Problem&, const std::vector<long double>&,
+                                                  const std::vector<long double>&,
+                                                  const std::vector<long double>&,
+                                                  const std::vector<long double>&);
 
 }  // namespace attn_test::reference

@@ -25,7 +25,8 @@ namespace attn::detail {
 /// padding: their weights are 0 and they cost nothing).
 ///   pass 1: S = scale * q k^T          one GEMM, scale folded into its alpha
 ///   pass 2: mask S (hidden -> -inf, add the bias)
-///   pass 3: row softmax of S in place (with the head's sink), keeping each row's log-sum-exp
+///   pass 3: row softmax of S in place (with the head's sink), keeping each row's log-sum-exp,
+///           then the dropout of the weights, if any
 ///   pass 4: out = S v                  one GEMM
 template <class T>
 void naive_attention_head(const HeadMatrix<const T>& q,  // (Lq, D)
@@ -54,6 +55,8 @@ void naive_attention_head(const HeadMatrix<const T>& q,  // (Lq, D)
     const T lse = softmax_in_place(scores.row(i).data(), keys, mask.sink(h));
     if (logsumexp != nullptr)
       logsumexp[i] = lse;
+    if (mask.dropout().active())  // the weights after dropout, as PyTorch's math path
+      mask.dropout().apply_for_row(mask.dropout().row_key(b, h, i), 0, keys, scores.row(i).data());
   }
   out.noalias() = scores * v.topRows(keys);  // pass 4
 }

@@ -166,6 +166,11 @@ struct Kernels {
       T* st = workspace.s.data();
       T* tile_max = workspace.tile_max.data();
       pack_queries(q.data(), q.outerStride(), rows, dim, scale, qt, stride, width);  // pass 1
+      const Dropout<T>& dropout = mask.dropout();
+      if (dropout.active()) {
+        for (Index r = 0; r < rows; ++r)
+          workspace.dropout_rows[static_cast<std::size_t>(r)] = dropout.row_key(b, h, i0 + r);
+      }
       bool first_tile = true;
       for (Index j0 = keys_first; j0 < keys_last; j0 += key_tile) {  // pass 2
         const Index j1 = std::min(j0 + key_tile, keys_last), cols = j1 - j0;
@@ -201,6 +206,10 @@ struct Kernels {
         rescale_factors(tile_max, width, m, workspace.shift.data(), alpha);
         exp_columns(st, stride, cols, width, workspace.shift.data(), workspace.sums.data());
         add_sums(alpha, workspace.sums.data(), width, l);
+        if (dropout.active()) {  // on the weights of out only: l and lse are the softmax's
+          for (Index j = 0; j < cols; ++j)
+            dropout.apply_for_key(workspace.dropout_rows.data(), rows, j0 + j, st + j * stride);
+        }
         const HeadMatrix<const T> v_tile = tile_rows<T, S>(v, j0, cols, workspace.v);
         accumulate(st, stride, cols, width, v_tile.data(), v_tile.outerStride(), value_dim,
                    first_tile ? nullptr : alpha, ot, stride);

@@ -74,6 +74,7 @@ struct Workspace {
   Scratch<T> q, s, acc;
   Scratch<T> m, l, alpha, shift, tile_max, sums;
   std::vector<std::int32_t> key_lo, key_hi;
+  std::vector<std::uint32_t> dropout_rows;  // (W) the dropout's row keys of a tile's queries
   Scratch<T> k, v;
 
   /// Flash: query tiles of up to `width` (padded) queries, key tiles of up to `keys` keys.
@@ -84,6 +85,7 @@ struct Workspace {
     reserve_vectors(width);
     key_lo.resize(static_cast<std::size_t>(width));
     key_hi.resize(static_cast<std::size_t>(width));
+    dropout_rows.resize(static_cast<std::size_t>(width));
     if (widens_kv)
       reserve_kv(keys, dim, value_dim);
   }

@@ -1,0 +1,148 @@
+// bench/bench_backward.cpp: the attention backward against the forward at the same shapes.
+//
+//   q, k, v, out, dout  (1, 8, L, D) float: B * H = 8, D = 64 or 128, L = 1024 .. 8192
+//
+// Families (ratios are read between rows of one run):
+//   attention/<pass>/D:<D>/L:<L>/causal:<c>/threads:<t>
+//       pass 0: the flash forward (scaled_dot_product_attention_into, with logsumexp)
+//       pass 1: the flash backward (scaled_dot_product_attention_backward_into)
+//       pass 2: the naive backward (materialised probabilities), L <= 2048
+// FLOPs: the forward's two products 4 L^2 D per head, the backward's five 10 L^2 D (the
+// counts FlashAttention reports); halved under the causal mask. So "backward time over
+// forward time" is 2.5 * (forward FLOP/s) / (backward FLOP/s), and the share of the FMA peak
+// (fma_peak of the same run) is FLOPS / peak. The backward is checked against the naive
+// backward on a small problem before timing.
+//
+//   build/dev/bench/bench_backward --benchmark_filter='attention/[01]/D:64'
+// ATTN_BENCH_SMOKE=1 (ctest) shrinks every size.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <attn/attention.hpp>
+#include <attn/attention_backward.hpp>
+
+#include "common.hpp"
+
+namespace {
+
+using attn::Index;
+using attn_bench::set_threads;
+using attn_bench::smoke;
+
+constexpr Index heads = 8;
+
+struct Problem {
+  Index length, dim;
+  std::vector<float> q, k, v, out, dout, lse, dq, dk, dv;
+  Problem(Index l, Index d)
+      : length(l),
+        dim(d),
+        q(static_cast<std::size_t>(heads * l * d)),
+        k(q.size()),
+        v(q.size()),
+        out(q.size()),
+        dout(q.size()),
+        lse(static_cast<std::size_t>(heads * l)),
+        dq(q.size()),
+        dk(q.size()),
+        dv(q.size()) {
+    attn_bench::fill_normal(q, 1u);
+    attn_bench::fill_normal(k, 2u);
+    attn_bench::fill_normal(v, 3u);
+    attn_bench::fill_normal(dout, 4u);
+  }
+  attn::HeadsView<const float> view(const std::vector<float>& x) const {
+    return attn::bhld_view(x.data(), 1, heads, length, dim);
+  }
+  attn::HeadsView<float> view(std::vector<float>& x) const {
+    return attn::bhld_view(x.data(), 1, heads, length, dim);
+  }
+  void forward(const attn::AttentionOptions<float>& options) {
+    attn::scaled_dot_product_attention_into<float>(view(q), view(k), view(v), view(out), options,
+                                                   nullptr, lse.data());
+  }
+  void backward(const attn::AttentionOptions<float>& options) {
+    attn::scaled_dot_product_attention_backward_into<float>(
+        view(q), view(k), view(v), view(static_cast<const std::vector<float>&>(out)), lse.data(),
+        view(static_cast<const std::vector<float>&>(dout)), view(dq), view(dk), view(dv), options);
+  }
+};
+
+/// The flash backward against the naive one on a small causal problem: "" or what differs.
+std::string check_flash_backward(Index dim) {
+  Problem p(300, dim);
+  attn::AttentionOptions<float> options;
+  options.causal = attn::Causal::top_left;
+  p.forward(options);
+  options.algorithm = attn::Algorithm::naive;
+  p.backward(options);
+  const std::vector<float> dq = p.dq, dk = p.dk, dv = p.dv;
+  options.algorithm = attn::Algorithm::flash;
+  p.backward(options);
+  const float error = std::max({attn_bench::max_abs_diff(dq.data(), p.dq.data(), dq.size()),
+                                attn_bench::max_abs_diff(dk.data(), p.dk.data(), dk.size()),
+                                attn_bench::max_abs_diff(dv.data(), p.dv.data(), dv.size())});
+  return error <= 1e-3f ? "" : "flash and naive backward differ by " + std::to_string(error);
+}
+
+void BM_attention(benchmark::State& state) {
+  const int pass = static_cast<int>(state.range(0));
+  const Index dim = state.range(1), length = state.range(2);
+  const bool causal = state.range(3) != 0;
+  set_threads(static_cast<int>(state.range(4)));
+  if (const std::string problem = check_flash_backward(dim); !problem.empty()) {
+    state.SkipWithError(problem.c_str());
+    return;
+  }
+  Problem p(length, dim);
+  attn::AttentionOptions<float> options;
+  options.causal = causal ? attn::Causal::top_left : attn::Causal::none;
+  p.forward(options);
+  options.algorithm = pass == 2 ? attn::Algorithm::naive : attn::Algorithm::flash;
+  const auto run = [&] {
+    if (pass == 0)
+      p.forward(options);
+    else
+      p.backward(options);
+  };
+  run();  // the first touch of every buffer outside the timing
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(p.dq.data());
+    benchmark::DoNotOptimize(p.out.data());
+  }
+  const double pairs = static_cast<double>(length) * static_cast<double>(length) *
+                       (causal ? 0.5 : 1.0) * static_cast<double>(heads);
+  const double products = pass == 0 ? 2 : 5;
+  state.counters["FLOPS"] = benchmark::Counter(2.0 * products * static_cast<double>(dim) * pairs,
+                                               benchmark::Counter::kIsIterationInvariantRate);
+  set_threads(1);
+}
+
+void register_all() {
+  attn_bench::register_fma_peak();
+  const std::vector<std::int64_t> lengths =
+      smoke() ? std::vector<std::int64_t>{256} : std::vector<std::int64_t>{1024, 2048, 4096, 8192};
+  for (const std::int64_t pass : {0, 1, 2}) {
+    for (const std::int64_t length : lengths) {
+      if (pass == 2 && length > 2048)
+        continue;  // the naive backward's (L, L) matrices per thread
+      benchmark::RegisterBenchmark("attention", BM_attention)
+          ->ArgNames({"pass", "D", "L", "causal", "threads"})
+          ->ArgsProduct({{pass}, {64, 128}, {length}, {0, 1}, {1, 2}})
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return attn_bench::run(argc, argv, register_all);
+}

@@ -1,0 +1,191 @@
+// attn/kernels/flash_backward.inl: the key-tile loop of the flash backward (FlashAttention-2's
+// order: a key tile outside, the query tiles that see it inside), written once and compiled
+// for every instruction set.
+//
+// No include guard and no #include: kernels/flash_backward.hpp includes this file inside
+// namespace attn::detail::generic, attn::detail::avx2 and attn::detail::avx512 (in their
+// target regions), after the forward's online_softmax.inl. It uses that namespace's tile
+// products (pack_queries, scores, exp_rows, accumulate, weighted_sum, padded), here with the
+// keys of a tile along the vector lanes and the queries on the rows:
+//
+//   kt, vt    (D, W), (Dv, W)   scale * k tile^T and v tile^T, packed once per key tile
+//   s         (Bq, W)           scores -> p of one query tile
+//   dp        (Bq, W)           dout v^T -> scale * ds
+//   dkt, dvt  (D, W), (Dv, W)   dk and dv of the key tile, transposed, summed over the query
+//                               tiles and the query heads of the group
+//   q, dout   read in place, not transposed, not packed (each element broadcast)
+//
+// so that every product is one of the forward's register-blocked kernels:
+//   s = q kt,  dp = dout vt              (scores: a row of q times the rows of kt)
+//   dvt += dout^T p,  dkt += q^T ds      (accumulate: the transposed-output product)
+//   dq += ds k                           (weighted_sum: the rows of ds weight the rows of k)
+// For the rows i of a query tile and the keys j of the key tile (z = the masked, modified
+// scores; lse_i saved by the forward, delta_i = dout_i . out_i):
+//   p_ij  = exp(z_ij - lse_i)
+//   ds_ij = p_ij (f_ij dout_i . v_j - delta_i) * (1 - tanh^2(s_ij / cap))   (softcap's factor)
+//   dv_j += sum_i f_ij p_ij dout_i,   f_ij = the dropout's factor (attn/dropout.hpp), else 1
+//  dk_j += scale sum_i ds_ij q_i,  dq_i += scale sum_j ds_ij k_j
+
+struct BackwardKernels {
+  static constexpr Isa level = isa;
+
+  static Index padded_width(Index keys) { return padded(keys); }
+
+  /// The gradients through keys [j0, j0 + keys) of one (b, kv head): dk and dv of those keys
+  /// written, the dq of every query of the `group` query heads that sees them accumulated.
+  /// `heads` gives, for query head g of the group, its q, dout, lse, delta and dq (all rows).
+  ///   pass 1: kt = scale * k tile^T, vt = v tile^T
+  ///   pass 2: for each query head of the group, each query tile [i0, i1) the mask does not
+  ///           hide on this key tile:
+  ///             s = q kt, masked as in the forward (and -inf in the padding columns);
+  ///             p = exp(s - lse) (a row whose lse is -inf sees only -inf scores: shift 0)
+  ///             dvt += dout^T (p f)   (f: the dropout's factors, regenerated; 1 without)
+  ///             dp = dout vt;  ds = scale * p (f dp - delta) (* the softcap factor)
+  ///             dkt += q^T ds;  dq += ds k
+  ///   pass 3: dk = dkt^T, dv = dvt^T (zeros if no query sees the tile)
+  template <class T, class Heads>
+  static void backward_key_tile(const HeadMatrix<const T>& k,  // (Lk, D)   the whole kv head
+                                const HeadMatrix<const T>& v,  // (Lk, Dv)
+                                HeadMatrix<T> dk,              // (Lk, D)   rows j0.. written
+                                HeadMatrix<T> dv,              // (Lk, Dv)
+                                const Heads& heads, Index group, const Mask<T>& mask,
+                                const std::optional<T>& softcap, Index b, Index kv_head, T scale,
+                                Index j0, Index keys, Index query_tile,
+                                BackwardWorkspace<T>& workspace) {
+    constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+    const Index j1 = j0 + keys, width = padded(keys), stride = width;
+    const Index dim = k.cols(), value_dim = v.cols();
+    ATTN_ASSERT(keys > 0 && width <= workspace.width && query_tile <= workspace.rows);
+    T* kt = workspace.kt.data();
+    T* vt = workspace.vt.data();
+    T* dkt = workspace.dkt.data();
+    T* dvt = workspace.dvt.data();
+    T* s = workspace.s.data();
+    T* dp = workspace.dp.data();
+    T* shift = workspace.shift.data();
+    const T* ones = workspace.ones.data();
+    const T* k_tile = row_of(k, j0);
+    pack_queries(k_tile, k.outerStride(), keys, dim, scale, kt, stride, width);  // pass 1
+    pack_queries(row_of(v, j0), v.outerStride(), keys, value_dim, T(1), vt, stride, width);
+    bool first = true;
+    for (Index g = 0; g < group; ++g) {  // pass 2
+      const Index h = kv_head * group + g;
+      auto head = heads(g);  // the maps, by value
+      const Index rows_of_head = head.q.rows();
+      for (Index i0 = 0; i0 < rows_of_head; i0 += query_tile) {
+        const Index rows = std::min(query_tile, rows_of_head - i0), i1 = i0 + rows;
+        const TileVisibility visibility = mask.classify(b, h, i0, i1, j0, j1);
+        if (visibility == TileVisibility::hidden)
+          continue;
+        const T* q_rows = row_of(head.q, i0);
+        const T* dout_rows = row_of(head.dout, i0);
+        scores(q_rows, head.q.outerStride(), rows, kt, stride, dim, width, s, stride,
+               static_cast<T*>(nullptr));
+        if (softcap)  // the raw scores, for the derivative of tanh
+          std::copy_n(s, rows * stride, workspace.raw.data());
+        hide(mask, visibility, b, h, i0, rows, j0, keys, width, s, stride);
+        for (Index r = 0; r < rows; ++r) {
+          const T lse = head.lse[i0 + r];
+          shift[r] = lse == minus_inf ? T(0) : lse;
+        }
+        exp_rows(s, stride, rows, width, shift, workspace.sums.data());  // p
+        const Dropout<T>& dropout = mask.dropout();
+        if (dropout.active()) {  // f: the forward's dropout factors, regenerated; dv takes p f
+          T* f = workspace.drop.data();
+          for (Index r = 0; r < rows; ++r) {
+            T* f_row = f + r * stride;
+            dropout.factors_for_row(dropout.row_key(b, h, i0 + r), j0, keys, f_row);
+            std::fill(f_row + keys, f_row + width, T(0));
+            for (Index c = 0; c < width; ++c)
+              dp[r * stride + c] = s[r * stride + c] * f_row[c];
+          }
+          accumulate(dp, stride, rows, width, dout_rows, head.dout.outerStride(), value_dim,
+                     first ? nullptr : ones, dvt, stride);
+        } else {
+          accumulate(s, stride, rows, width, dout_rows, head.dout.outerStride(), value_dim,
+                     first ? nullptr : ones, dvt, stride);
+        }
+        if (value_dim > 0) {
+          scores(dout_rows, head.dout.outerStride(), rows, vt, stride, value_dim, width, dp, stride,
+                 static_cast<T*>(nullptr));
+        } else {  // Dv = 0: dp is 0 (and vt an empty buffer)
+          std::fill_n(dp, rows * stride, T(0));
+        }
+        for (Index r = 0; r < rows; ++r) {
+          const T* p = s + r * stride;
+          T* ds = dp + r * stride;
+          const T delta = head.delta[i0 + r];
+          if (dropout.active()) {  // ds = p (f dp - delta)
+            const T* f = workspace.drop.data() + r * stride;
+            for (Index c = 0; c < width; ++c)
+              ds[c] = scale * (p[c] * (f[c] * ds[c] - delta));
+          } else {
+            for (Index c = 0; c < width; ++c)
+              ds[c] = scale * (p[c] * (ds[c] - delta));
+          }
+        }
+        if (softcap)
+          apply_softcap_derivative(workspace.raw.data(), rows * stride, *softcap, dp);
+        accumulate(dp, stride, rows, width, q_rows, head.q.outerStride(), dim,
+                   first ? nullptr : ones, dkt, stride);
+        weighted_sum(dp, stride, rows, k_tile, k.outerStride(), keys, dim, ones,
+                     row_of(head.dq, i0), head.dq.outerStride());
+        first = false;
+      }
+    }
+    for (Index j = 0; j < keys; ++j) {  // pass 3
+      T* dk_row = row_of(dk, j0 + j);
+      T* dv_row = row_of(dv, j0 + j);
+      for (Index d = 0; d < dim; ++d)
+        dk_row[d] = first ? T(0) : dkt[d * stride + j];
+      for (Index e = 0; e < value_dim; ++e)
+        dv_row[e] = first ? T(0) : dvt[e * stride + j];
+    }
+  }
+
+  /// Row i of m, or null for an empty matrix (no arithmetic on a null pointer).
+  template <class Map>  // a HeadMatrix, by value: its data() keeps the map's constness
+  static auto row_of(Map m, Index i) -> decltype(m.data()) {
+    return m.data() == nullptr ? nullptr : m.data() + i * m.outerStride();
+  }
+
+  /// Hides what the mask hides in the scores s (rows, width) of queries [i0, i0 + rows) and
+  /// keys [j0, j0 + keys), and the padding columns [keys, width); applies softcap, ALiBi and
+  /// the bias, as the forward does.
+  template <class T>
+  static void hide(const Mask<T>& mask, TileVisibility visibility, Index b, Index h, Index i0,
+                   Index rows, Index j0, Index keys, Index width, T* s, Index stride) {
+    constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+    const bool masked = visibility == TileVisibility::partial || mask.modifies_scores();
+    const bool elementwise = mask.has_keep_mask() || mask.modifies_scores() ||
+                             (mask.has_sink_tokens() && j0 < mask.sink_tokens());
+    if (masked && elementwise) {
+      Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> view(s, rows, keys,
+                                                          Eigen::OuterStride<>(stride));
+      mask.apply(b, h, i0, j0, view);
+    } else if (masked) {  // one interval per row
+      for (Index r = 0; r < rows; ++r) {
+        const auto [first, last] = mask.key_interval(b, i0 + r);
+        const Index lo = std::clamp(first - j0, Index(0), keys);
+        const Index hi = std::clamp(last - j0, lo, keys);
+        T* row = s + r * stride;
+        std::fill(row, row + lo, minus_inf);
+        std::fill(row + hi, row + keys, minus_inf);
+      }
+    }
+    if (width > keys) {
+      for (Index r = 0; r < rows; ++r)
+        std::fill(s + r * stride + keys, s + r * stride + width, minus_inf);
+    }
+  }
+
+  /// ds[n] *= 1 - tanh^2(raw[n] / cap): the derivative of cap * tanh(s / cap).
+  template <class T>
+  static void apply_softcap_derivative(const T* raw, Index n, T cap, T* ds) {
+    const T inverse = T(1) / cap;
+    for (Index e = 0; e < n; ++e) {
+      const T t = std::tanh(raw[e] * inverse);
+      ds[e] *= T(1) - t * t;
+    }
+  }
+};

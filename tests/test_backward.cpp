@@ -1,0 +1,747 @@
+// Tests for attn/attention_backward.hpp: the gradients of attention against torch autograd
+// (tests/reference/backward.json, float64, every sdpa.json case), against the long double
+// loops of support/reference.hpp over every mask kind and sizes around the tiles, and against
+// finite differences of the reference forward in long double; determinism, 16-bit storage,
+// strided views and every error message.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include <attn/attention_backward.hpp>
+
+#include "support/fixtures.hpp"
+#include "support/heads.hpp"
+#include "support/instances.hpp"
+#include "support/isa_cases.hpp"
+#include "support/masked_problem.hpp"
+#include "support/sdpa_case.hpp"
+
+#if ATTN_HAS_OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+using attn::Index;
+using attn_test::Heads;
+
+/// max |actual - expected| / max(1, max |expected|): an error relative to the tensor's scale.
+template <class A>
+double scaled_error(const std::vector<A>& actual, const std::vector<double>& expected) {
+  double scale = 1;
+  for (const double e : expected)
+    scale = std::max(scale, std::abs(e));
+  return attn_test::max_error(actual, expected) / scale;
+}
+
+template <class T, int R>
+std::vector<T> flat(const attn::Tensor<T, R>& t) {
+  return std::vector<T>(t.data(), t.data() + t.size());
+}
+
+const attn_test::json& backward_case(const std::string& name) {
+  for (const auto& c : attn_test::fixture("backward.json").at("cases")) {
+    if (c.at("name").get<std::string>() == name)
+      return c;
+  }
+  FAIL("no backward.json case named " << name);
+  throw std::logic_error("unreachable");
+}
+
+/// Every sdpa.json case: the forward, then the backward with each algorithm (flash also with
+/// tiles that are not whole vectors), against autograd: double within 1e-10, float 1e-4,
+/// relative to each gradient's largest entry. Logits of magnitude |z| carry a rounding of
+/// eps |z| in T, which is the probabilities' relative error (1e-3 in float for the cases with
+/// logits of 1e4): the bound grows to 8 eps max |lse| when that is larger.
+template <class T>
+void fixtures_match_autograd() {
+  const double base_tolerance = std::is_same_v<T, double> ? 1e-10 : 1e-4;
+  const auto& cases = ATTN_FIXTURE_CASES("sdpa.json", "cases", attn_test::sdpa_case_count);
+  REQUIRE(attn_test::fixture("backward.json").at("cases").size() == cases.size());
+  for (const auto& c : cases) {
+    attn_test::SdpaCase<T> s(c);
+    const auto& expected = backward_case(s.name);
+    INFO(s.name);
+    attn::Tensor<T, 3> lse;
+    const attn::Tensor<T, 4> out =
+        attn::scaled_dot_product_attention(s.q, s.k, s.v, s.options, nullptr, &lse);
+    const attn::Tensor<T, 4> dout = attn_test::tensor<T, 4>(expected.at("dout"));
+    double largest_lse = 0;
+    for (const double x : s.lse) {
+      if (std::isfinite(x))
+        largest_lse = std::max(largest_lse, std::abs(x));
+    }
+    const double tolerance = std::max(
+        base_tolerance, 8 * static_cast<double>(std::numeric_limits<T>::epsilon()) * largest_lse);
+    struct Run {
+      attn::Algorithm algorithm;
+      Index query_tile, key_tile;
+    };
+    for (const Run run : {Run{attn::Algorithm::naive, 0, 0}, Run{attn::Algorithm::flash, 0, 0},
+                          Run{attn::Algorithm::flash, 3, 2}}) {
+      INFO(attn::algorithm_name(run.algorithm)
+           << ", tiles " << run.query_tile << " x " << run.key_tile);
+      attn::AttentionOptions<T> options = s.options;
+      options.algorithm = run.algorithm;
+      options.query_tile = run.query_tile;
+      options.key_tile = run.key_tile;
+      const bool with_bias = !options.bias.empty();
+      const attn::AttentionGradients<T> g = attn::scaled_dot_product_attention_backward(
+          s.q, s.k, s.v, out, lse, dout, options, with_bias);
+      CHECK(scaled_error(flat(g.dq), attn_test::values_of(expected.at("dq"))) <= tolerance);
+      CHECK(scaled_error(flat(g.dk), attn_test::values_of(expected.at("dk"))) <= tolerance);
+      CHECK(scaled_error(flat(g.dv), attn_test::values_of(expected.at("dv"))) <= tolerance);
+      if (with_bias) {
+        REQUIRE(std::vector<Index>{g.dbias.dimension(0), g.dbias.dimension(1), g.dbias.dimension(2),
+                                   g.dbias.dimension(3)} ==
+                attn_test::shape_of(expected.at("dbias")));
+        CHECK(scaled_error(flat(g.dbias), attn_test::values_of(expected.at("dbias"))) <= tolerance);
+      }
+      if (!options.sinks.empty()) {
+        CHECK(scaled_error(g.dsinks, expected.at("dsinks").template get<std::vector<double>>()) <=
+              tolerance);
+      } else {
+        CHECK(g.dsinks.empty());
+      }
+    }
+  }
+}
+
+/// The bias's gradient from the reference's full (B, Hq, Lq, Lk) one: summed over the
+/// dimensions the bias broadcasts along.
+std::vector<long double> reduce_to_bias(const std::vector<long double>& full,
+                                        const attn_test::reference::Problem& p) {
+  const auto& dims = p.bias.dims;
+  std::vector<long double> r(static_cast<std::size_t>(dims[0] * dims[1] * dims[2] * dims[3]), 0);
+  for (Index b = 0; b < p.batch; ++b)
+    for (Index h = 0; h < p.q_heads; ++h)
+      for (Index i = 0; i < p.q_length; ++i)
+        for (Index j = 0; j < p.k_length; ++j) {
+          const Index at = ((((dims[0] == 1 ? 0 : b) * dims[1] + (dims[1] == 1 ? 0 : h)) * dims[2] +
+                             (dims[2] == 1 ? 0 : i)) *
+                                dims[3] +
+                            (dims[3] == 1 ? 0 : j));
+          r[static_cast<std::size_t>(at)] += full[static_cast<std::size_t>(
+              ((b * p.q_heads + h) * p.q_length + i) * p.k_length + j)];
+        }
+  return r;
+}
+
+template <class T>
+std::vector<long double> as_long_double(const std::vector<T>& x) {
+  return std::vector<long double>(x.begin(), x.end());
+}
+
+/// One problem: the backward of each algorithm against the long double reference; each
+/// gradient's error at most twice the plain loops' in T (FlashAttention's rule).
+template <class T>
+void check_against_reference(attn_test::reference::Problem p, int kind, std::mt19937& rng,
+                             Index query_tile, Index key_tile) {
+  attn_test::round_numbers_to<T>(p);
+  INFO(attn_test::describe(p, kind) << ", query_tile " << query_tile << ", key_tile " << key_tile);
+  const Heads<T> q = attn_test::random_heads<T>(p.batch, p.q_heads, p.q_length, p.dim, rng);
+  const Heads<T> k = attn_test::random_heads<T>(p.batch, p.kv_heads, p.k_length, p.dim, rng);
+  const Heads<T> v = attn_test::random_heads<T>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng);
+  const Heads<T> dout =
+      attn_test::random_heads<T>(p.batch, p.q_heads, p.q_length, p.value_dim, rng);
+  const auto qe = attn_test::exact(q), ke = attn_test::exact(k), ve = attn_test::exact(v),
+             de = attn_test::exact(dout);
+  const auto truth = attn_test::reference::gradients<long double>(p, qe, ke, ve, de);
+  const auto plain = attn_test::reference::gradients<T>(p, qe, ke, ve, de);
+  const bool with_bias = !p.bias.empty();
+  const std::vector<long double> truth_dbias =
+      with_bias ? reduce_to_bias(truth.dbias, p) : std::vector<long double>{};
+  const std::vector<long double> plain_dbias =
+      with_bias ? reduce_to_bias(as_long_double(plain.dbias), p) : std::vector<long double>{};
+
+  const auto forward_truth = attn_test::reference::attention<long double>(p, qe, ke, ve);
+  const double forward_bound = attn_test::error_bound<T>(attn_test::max_error(
+      attn_test::reference::attention<T>(p, qe, ke, ve).out, forward_truth.out));
+  attn_test::AttnOptions<T> o(p);
+  Heads<T> out(p.batch, p.q_heads, p.q_length, p.value_dim);
+  std::vector<T> lse(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
+  for (const attn::Algorithm algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
+    INFO(attn::algorithm_name(algorithm));
+    o.options.algorithm = algorithm;
+    o.options.query_tile = query_tile;
+    o.options.key_tile = key_tile;
+    // The forward of the same algorithm (with dropout, its mask is the one the backward
+    // regenerates).
+    attn::scaled_dot_product_attention_into<T>(q.cview(), k.cview(), v.cview(), out.view(),
+                                               o.options, nullptr, lse.data());
+    CHECK(attn_test::max_error(out.data, forward_truth.out) <= forward_bound);
+    Heads<T> dq(p.batch, p.q_heads, p.q_length, p.dim), dk(p.batch, p.kv_heads, p.k_length, p.dim),
+        dv(p.batch, p.kv_heads, p.k_length, p.value_dim);
+    std::vector<T> dbias(truth_dbias.size()), dsinks(p.sinks.size());
+    attn::scaled_dot_product_attention_backward_into<T>(
+        q.cview(), k.cview(), v.cview(), out.cview(), lse.data(), dout.cview(), dq.view(),
+        dk.view(), dv.view(), o.options, with_bias ? dbias.data() : nullptr,
+        p.sinks.empty() ? nullptr : dsinks.data());
+    const auto check = [](const char* name, const auto& actual, const auto& expected,
+                          const auto& plain_values) {
+      const double error = attn_test::max_error(actual, expected);
+      const double bound = attn_test::error_bound<T>(attn_test::max_error(plain_values, expected));
+      INFO(name << ": error " << error << ", bound " << bound);
+      CHECK(error <= bound);
+    };
+    check("dq", dq.data, truth.dq, plain.dq);
+    check("dk", dk.data, truth.dk, plain.dk);
+    check("dv", dv.data, truth.dv, plain.dv);
+    if (with_bias)
+      check("dbias", dbias, truth_dbias, plain_dbias);
+    if (!p.sinks.empty())
+      check("dsinks", dsinks, truth.dsinks, plain.dsinks);
+  }
+}
+
+/// Lengths around the tiles, GQA and MQA, every mask kind.
+template <class T>
+void sweep_against_reference() {
+  std::mt19937 rng(20261201u);
+  const Index shapes[4][3] = {{1, 1, 1}, {2, 3, 3}, {2, 4, 2}, {1, 3, 1}};
+  const Index lengths[] = {1, 7, 16, 17, 53};
+  int n = 0;
+  for (const Index q_length : lengths) {
+    for (const Index k_length : lengths) {
+      const int kind = n % attn_test::mask_kinds;
+      const Index* shape = shapes[n % 4];
+      const Index dim = (n % 3 == 0) ? 8 : 16, value_dim = (n % 2 == 0) ? dim : 24;
+      attn_test::reference::Problem p = attn_test::masked_problem(
+          shape[0], shape[1], shape[2], q_length, k_length, dim, value_dim, kind, rng);
+      if (n % 2 == 1) {  // every other problem with dropout
+        p.dropout_p = 0.25L;
+        p.dropout_seed = static_cast<std::uint64_t>(n) * 1000003u;
+      }
+      ++n;
+      check_against_reference<T>(p, kind, rng, 16, 16);
+    }
+  }
+  for (int kind = 0; kind < attn_test::mask_kinds; ++kind) {
+    check_against_reference<T>(attn_test::masked_problem(3, 4, 2, 37, 91, 8, 8, kind, rng), kind,
+                               rng, 5, 7);
+    check_against_reference<T>(attn_test::masked_problem(1, 2, 1, 70, 130, 64, 40, kind, rng), kind,
+                               rng, 0, 0);
+    attn_test::reference::Problem dropped =
+        attn_test::masked_problem(2, 2, 2, 70, 90, 16, 16, kind, rng);
+    dropped.dropout_p = 0.5L;
+    dropped.dropout_seed = 0xFFFFFFFFFFull + static_cast<std::uint64_t>(kind);
+    check_against_reference<T>(dropped, kind, rng, 32, 16);
+  }
+}
+
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("the backward matches torch autograd on every sdpa fixture",
+                                    "[backward]", fixtures_match_autograd)
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("the backward agrees with a long double reference",
+                                    "[backward]", sweep_against_reference)
+
+TEST_CASE("the reference gradients agree with finite differences in long double", "[backward]") {
+  // L = sum(out * dout) of the reference forward, differentiated by central differences in
+  // long double: checks the reference loops the sweeps trust, and attn's double backward,
+  // for every mask kind (softcap and learned sinks among them).
+  std::mt19937 rng(11u);
+  for (int kind = 0; kind < attn_test::mask_kinds; ++kind) {
+    attn_test::reference::Problem p = attn_test::masked_problem(2, 2, 1, 5, 6, 3, 2, kind, rng);
+    attn_test::round_numbers_to<double>(p);
+    INFO(attn_test::describe(p, kind));
+    const Heads<double> q = attn_test::random_heads<double>(2, 2, 5, 3, rng);
+    const Heads<double> k = attn_test::random_heads<double>(2, 1, 6, 3, rng);
+    const Heads<double> v = attn_test::random_heads<double>(2, 1, 6, 2, rng);
+    const Heads<double> dout = attn_test::random_heads<double>(2, 2, 5, 2, rng);
+    auto qe = attn_test::exact(q), ke = attn_test::exact(k), ve = attn_test::exact(v);
+    const auto de = attn_test::exact(dout);
+    const auto loss = [&] {
+      const auto r = attn_test::reference::attention<long double>(p, qe, ke, ve);
+      long double sum = 0;
+      for (std::size_t n = 0; n < r.out.size(); ++n)
+        sum += r.out[n] * de[n];
+      return sum;
+    };
+    const auto reference = attn_test::reference::gradients<long double>(p, qe, ke, ve, de);
+    attn_test::AttnOptions<double> o(p);
+    Heads<double> out(2, 2, 5, 2), dq(2, 2, 5, 3), dk(2, 1, 6, 3), dv(2, 1, 6, 2);
+    std::vector<double> lse(2 * 2 * 5);
+    attn::scaled_dot_product_attention_into<double>(q.cview(), k.cview(), v.cview(), out.view(),
+                                                    o.options, nullptr, lse.data());
+    attn::scaled_dot_product_attention_backward_into<double>(
+        q.cview(), k.cview(), v.cview(), out.cview(), lse.data(), dout.cview(), dq.view(),
+        dk.view(), dv.view(), o.options);
+    const long double h = 1e-7L;
+    const auto differentiate = [&](std::vector<long double>& x, const std::vector<long double>& g,
+                                   const std::vector<double>& attn_g, const char* name) {
+      for (std::size_t n = 0; n < x.size(); ++n) {
+        const long double saved = x[n];
+        x[n] = saved + h;
+        const long double up = loss();
+        x[n] = saved - h;
+        const long double down = loss();
+        x[n] = saved;
+        const long double numeric = (up - down) / (2 * h);
+        INFO(name << "[" << n << "]: finite difference " << static_cast<double>(numeric)
+                  << ", reference " << static_cast<double>(g[n]) << ", attn " << attn_g[n]);
+        CHECK(std::abs(numeric - g[n]) <= 1e-9L * (1 + std::abs(g[n])));
+        CHECK(std::abs(static_cast<long double>(attn_g[n]) - g[n]) <=
+              1e-12L * (1 + std::abs(g[n])));
+      }
+    };
+    differentiate(qe, reference.dq, dq.data, "dq");
+    differentiate(ke, reference.dk, dk.data, "dk");
+    differentiate(ve, reference.dv, dv.data, "dv");
+    if (!p.sinks.empty()) {
+      for (std::size_t h_index = 0; h_index < p.sinks.size(); ++h_index) {
+        const long double saved = p.sinks[h_index];
+        p.sinks[h_index] = saved + h;
+        const long double up = loss();
+        p.sinks[h_index] = saved - h;
+        const long double down = loss();
+        p.sinks[h_index] = saved;
+        CHECK(std::abs((up - down) / (2 * h) - reference.dsinks[h_index]) <=
+              1e-9L * (1 + std::abs(reference.dsinks[h_index])));
+      }
+    }
+  }
+}
+
+#if ATTN_HAS_OPENMP
+namespace {
+
+template <class T>
+void same_bits_for_one_and_two_threads() {
+  std::mt19937 rng(5u);
+  const Heads<T> q = attn_test::random_heads<T>(2, 4, 200, 64, rng);
+  const Heads<T> k = attn_test::random_heads<T>(2, 2, 180, 64, rng);
+  const Heads<T> v = attn_test::random_heads<T>(2, 2, 180, 48, rng);
+  const Heads<T> dout = attn_test::random_heads<T>(2, 4, 200, 48, rng);
+  attn::Tensor<T, 4> bias(1, 4, 1, 180);
+  bias.setRandom();
+  const int saved = omp_get_max_threads();
+  for (const attn::Algorithm algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
+    attn::AttentionOptions<T> options;
+    options.algorithm = algorithm;
+    options.causal = attn::Causal::bottom_right;
+    options.bias = bias;
+    Heads<T> out(2, 4, 200, 48);
+    std::vector<T> lse(2 * 4 * 200);
+    attn::scaled_dot_product_attention_into<T>(q.cview(), k.cview(), v.cview(), out.view(), options,
+                                               nullptr, lse.data());
+    std::vector<T> results[2];
+    for (int threads = 1; threads <= 2; ++threads) {
+      omp_set_num_threads(threads);
+      Heads<T> dq(2, 4, 200, 64), dk(2, 2, 180, 64), dv(2, 2, 180, 48);
+      std::vector<T> dbias(4 * 180);
+      attn::scaled_dot_product_attention_backward_into<T>(
+          q.cview(), k.cview(), v.cview(), out.cview(), lse.data(), dout.cview(), dq.view(),
+          dk.view(), dv.view(), options, dbias.data());
+      for (const auto* x : {&dq.data, &dk.data, &dv.data, &dbias})
+        results[threads - 1].insert(results[threads - 1].end(), x->begin(), x->end());
+    }
+    omp_set_num_threads(saved);
+    REQUIRE(std::memcmp(results[0].data(), results[1].data(), results[0].size() * sizeof(T)) == 0);
+  }
+}
+
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("the backward gives the same bits with 1 and 2 threads",
+                                    "[backward][determinism]", same_bits_for_one_and_two_threads)
+#endif  // ATTN_HAS_OPENMP
+
+TEMPLATE_TEST_CASE("the backward of 16-bit storage is the float backward of the same values",
+                   "[backward][isa]", Eigen::half, Eigen::bfloat16) {
+  // The arithmetic runs in float on the widened values; only the stored gradients round.
+  using S = TestType;
+  std::mt19937 rng(3u);
+  const Heads<S> q = attn_test::random_heads<S>(1, 2, 70, 32, rng);
+  const Heads<S> k = attn_test::random_heads<S>(1, 1, 90, 32, rng);
+  const Heads<S> v = attn_test::random_heads<S>(1, 1, 90, 16, rng);
+  const Heads<S> dout = attn_test::random_heads<S>(1, 2, 70, 16, rng);
+  attn::AttentionOptions<float> options;
+  options.causal = attn::Causal::bottom_right;
+  Heads<S> out(1, 2, 70, 16);
+  std::vector<float> lse(2 * 70);
+  attn::scaled_dot_product_attention_into<S>(q.cview(), k.cview(), v.cview(), out.view(), options,
+                                             nullptr, lse.data());
+  const Heads<float> qf = q.template cast<float>(), kf = k.template cast<float>(),
+                     vf = v.template cast<float>(), of = out.template cast<float>(),
+                     df = dout.template cast<float>();
+  for (const attn::Algorithm algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
+    INFO(attn::algorithm_name(algorithm));
+    options.algorithm = algorithm;
+    Heads<S> dq(1, 2, 70, 32), dk(1, 1, 90, 32), dv(1, 1, 90, 16);
+    attn::scaled_dot_product_attention_backward_into<S>(q.cview(), k.cview(), v.cview(),
+                                                        out.cview(), lse.data(), dout.cview(),
+                                                        dq.view(), dk.view(), dv.view(), options);
+    Heads<float> dqf(1, 2, 70, 32), dkf(1, 1, 90, 32), dvf(1, 1, 90, 16);
+    attn::scaled_dot_product_attention_backward_into<float>(
+        qf.cview(), kf.cview(), vf.cview(), of.cview(), lse.data(), df.cview(), dqf.view(),
+        dkf.view(), dvf.view(), options);
+    const auto narrowed = [](const Heads<float>& x) {
+      std::vector<S> r(x.data.size());
+      std::transform(x.data.begin(), x.data.end(), r.begin(), [](float e) { return S(e); });
+      return r;
+    };
+    // Bitwise where the summation order is the same; float products may differ from the
+    // float call's only by the flash kernel's widening, which is exact.
+    const std::vector<S> expected_dq = narrowed(dqf), expected_dk = narrowed(dkf),
+                         expected_dv = narrowed(dvf);
+    REQUIRE(std::memcmp(dq.data.data(), expected_dq.data(), expected_dq.size() * sizeof(S)) == 0);
+    REQUIRE(std::memcmp(dk.data.data(), expected_dk.data(), expected_dk.size() * sizeof(S)) == 0);
+    REQUIRE(std::memcmp(dv.data.data(), expected_dv.data(), expected_dv.size() * sizeof(S)) == 0);
+  }
+}
+
+TEST_CASE("the backward reads and writes strided (B, L, H, D) views", "[backward][isa]") {
+  std::mt19937 rng(9u);
+  const Index B = 2, H = 3, L = 40, D = 16;
+  const Heads<float> q = attn_test::random_heads<float>(B, L, H, D, rng);  // (B, L, H, D) memory
+  const Heads<float> k = attn_test::random_heads<float>(B, L, H, D, rng);
+  const Heads<float> v = attn_test::random_heads<float>(B, L, H, D, rng);
+  const Heads<float> dout = attn_test::random_heads<float>(B, L, H, D, rng);
+  const auto blhd = [&](const Heads<float>& x) {
+    return attn::blhd_view(x.data.data(), B, L, H, D);
+  };
+  Heads<float> out(B, L, H, D), dq(B, L, H, D), dk(B, L, H, D), dv(B, L, H, D);
+  std::vector<float> lse(static_cast<std::size_t>(B * H * L));
+  attn::AttentionOptions<float> options;
+  options.causal = attn::Causal::top_left;
+  attn::scaled_dot_product_attention_into<float>(blhd(q), blhd(k), blhd(v),
+                                                 attn::blhd_view(out.data.data(), B, L, H, D),
+                                                 options, nullptr, lse.data());
+  attn::scaled_dot_product_attention_backward_into<float>(
+      blhd(q), blhd(k), blhd(v), blhd(out), lse.data(), blhd(dout),
+      attn::blhd_view(dq.data.data(), B, L, H, D), attn::blhd_view(dk.data.data(), B, L, H, D),
+      attn::blhd_view(dv.data.data(), B, L, H, D), options);
+  // The same problem in (B, H, L, D) tensors.
+  const auto transposed = [&](const Heads<float>& x) {
+    attn::Tensor<float, 4> t(B, H, L, D);
+    for (Index b = 0; b < B; ++b)
+      for (Index h = 0; h < H; ++h)
+        for (Index i = 0; i < L; ++i)
+          for (Index d = 0; d < D; ++d)
+            t(b, h, i, d) = x.data[static_cast<std::size_t>(((b * L + i) * H + h) * D + d)];
+    return t;
+  };
+  attn::Tensor<float, 3> lse_t;
+  const attn::Tensor<float, 4> qt = transposed(q), kt = transposed(k), vt = transposed(v);
+  const attn::Tensor<float, 4> out_t =
+      attn::scaled_dot_product_attention(qt, kt, vt, options, nullptr, &lse_t);
+  const attn::AttentionGradients<float> g = attn::scaled_dot_product_attention_backward(
+      qt, kt, vt, out_t, lse_t, transposed(dout), options);
+  const attn::Tensor<float, 4> dq_t = transposed(dq), dk_t = transposed(dk), dv_t = transposed(dv);
+  REQUIRE(std::memcmp(dq_t.data(), g.dq.data(),
+                      sizeof(float) * static_cast<std::size_t>(dq_t.size())) == 0);
+  REQUIRE(std::memcmp(dk_t.data(), g.dk.data(),
+                      sizeof(float) * static_cast<std::size_t>(dk_t.size())) == 0);
+  REQUIRE(std::memcmp(dv_t.data(), g.dv.data(),
+                      sizeof(float) * static_cast<std::size_t>(dv_t.size())) == 0);
+}
+
+TEST_CASE("the backward gives zero gradients to rows that see no key and keys no query sees",
+          "[backward]") {
+  // Query 0 of sequence 1 sees nothing (query length 0); keys >= 3 of sequence 0 are padding.
+  attn::Tensor<double, 4> q(2, 1, 4, 3), k(2, 1, 5, 3), v(2, 1, 5, 2), dout(2, 1, 4, 2);
+  for (auto* t : {&q, &k, &v, &dout})
+    t->setRandom();
+  attn::AttentionOptions<double> options;
+  options.key_lengths = {3, 5};
+  options.query_lengths = {4, 0};
+  attn::Tensor<double, 3> lse;
+  const attn::Tensor<double, 4> out =
+      attn::scaled_dot_product_attention(q, k, v, options, nullptr, &lse);
+  for (const attn::Algorithm algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
+    options.algorithm = algorithm;
+    const auto g = attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, options);
+    for (Index i = 0; i < 4; ++i)
+      for (Index d = 0; d < 3; ++d)
+        REQUIRE(g.dq(1, 0, i, d) == 0.0);
+    for (Index j = 3; j < 5; ++j)
+      for (Index d = 0; d < 3; ++d)
+        REQUIRE((g.dk(0, 0, j, d) == 0.0 && g.dv(0, 0, j, d % 2) == 0.0));
+    for (Index j = 0; j < 5; ++j)
+      REQUIRE((g.dk(1, 0, j, 0) == 0.0 && g.dv(1, 0, j, 0) == 0.0));
+    REQUIRE(g.dq(0, 0, 2, 1) != 0.0);
+  }
+}
+
+TEST_CASE("NaN in dout reaches the gradients of its row", "[backward]") {
+  attn::Tensor<float, 4> q(1, 1, 3, 4), k(1, 1, 6, 4), v(1, 1, 6, 4), dout(1, 1, 3, 4);
+  for (auto* t : {&q, &k, &v, &dout})
+    t->setRandom();
+  attn::Tensor<float, 3> lse;
+  const attn::Tensor<float, 4> out = attn::scaled_dot_product_attention(q, k, v, {}, nullptr, &lse);
+  dout(0, 0, 1, 2) = std::numeric_limits<float>::quiet_NaN();
+  for (const attn::Algorithm algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
+    attn::AttentionOptions<float> options;
+    options.algorithm = algorithm;
+    const auto g = attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, options);
+    REQUIRE(std::isnan(g.dq(0, 0, 1, 0)));
+    REQUIRE(std::isfinite(g.dq(0, 0, 0, 0)));
+    REQUIRE(std::isnan(g.dv(0, 0, 0, 2)));
+    REQUIRE(std::isnan(g.dk(0, 0, 0, 0)));
+  }
+}
+
+TEST_CASE("the backward rejects bad shapes and options by name", "[backward][errors]") {
+  attn::Tensor<float, 4> q(1, 2, 3, 4), k(1, 1, 5, 4), v(1, 1, 5, 2), out(1, 2, 3, 2),
+      dout(1, 2, 3, 2);
+  for (auto* t : {&q, &k, &v, &out, &dout})
+    t->setRandom();
+  attn::Tensor<float, 3> lse(1, 2, 3);
+  lse.setZero();
+  const std::string prefix = "scaled_dot_product_attention_backward: ";
+  attn::Tensor<float, 4> wrong(1, 2, 3, 3);
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_backward(q, k, v, wrong, lse, dout),
+                      prefix + "out is [1, 2, 3, 3] but must be [1, 2, 3, 2] (B, Hq, Lq, Dv)");
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_backward(q, k, v, out, lse, wrong),
+                      prefix + "dout is [1, 2, 3, 3] but must be [1, 2, 3, 2] (B, Hq, Lq, Dv)");
+  attn::Tensor<float, 3> bad_lse(1, 2, 4);
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_backward(q, k, v, out, bad_lse, dout),
+                      prefix + "logsumexp is [1, 2, 4] but must be [1, 2, 3] (B, Hq, Lq)");
+  attn::Tensor<float, 4> k3(1, 1, 5, 3);
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_backward(q, k3, v, out, lse, dout),
+                      Catch::Contains("q and k head dims differ"));
+  REQUIRE_THROWS_WITH(
+      attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, {}, true),
+      prefix + "bias_gradient is true but options.bias is not given");
+  attn::AttentionOptions<float> options;
+  options.window = {-2, 0};
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, options),
+                      Catch::Contains("window is (-2, 0)"));
+  options = {};
+  options.query_tile = -1;
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, options),
+                      prefix +
+                          "query_tile is -1 and key_tile is 0: tile sizes must be >= 0 (0 = "
+                          "default)");
+  options = {};
+  options.scale = std::numeric_limits<float>::infinity();
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, options),
+                      prefix + "scale is inf: must be finite");
+
+  // The _into form: output shapes, null logsumexp, aliasing, dbias / dsinks without their input.
+  const auto view = [](attn::Tensor<float, 4>& t) { return attn::bhld_view(t); };
+  const auto cview = [](const attn::Tensor<float, 4>& t) { return attn::detail::as_heads_view(t); };
+  attn::Tensor<float, 4> dq(1, 2, 3, 4), dk(1, 1, 5, 4), dv(1, 1, 5, 2);
+  const auto call = [&](const attn::HeadsView<float>& dq_view,
+                        const attn::HeadsView<float>& dk_view,
+                        const attn::HeadsView<float>& dv_view, const float* lse_data,
+                        const attn::AttentionOptions<float>& o, float* dbias, float* dsinks) {
+    attn::scaled_dot_product_attention_backward_into<float>(
+        cview(q), cview(k), cview(v), cview(out), lse_data, cview(dout), dq_view, dk_view, dv_view,
+        o, dbias, dsinks);
+  };
+  REQUIRE_NOTHROW(call(view(dq), view(dk), view(dv), lse.data(), {}, nullptr, nullptr));
+  REQUIRE_THROWS_WITH(call(view(dk), view(dk), view(dv), lse.data(), {}, nullptr, nullptr),
+                      prefix +
+                          "dq is [1, 1, 5, 4] but must be [1, 2, 3, 4] (B, Hq, Lq, D), q's "
+                          "shape");
+  REQUIRE_THROWS_WITH(call(view(dq), view(dq), view(dv), lse.data(), {}, nullptr, nullptr),
+                      prefix +
+                          "dk is [1, 2, 3, 4] but must be [1, 1, 5, 4] (B, Hkv, Lk, D), k's "
+                          "shape");
+  REQUIRE_THROWS_WITH(call(view(dq), view(dk), view(dq), lse.data(), {}, nullptr, nullptr),
+                      prefix +
+                          "dv is [1, 2, 3, 4] but must be [1, 1, 5, 2] (B, Hkv, Lk, Dv), v's "
+                          "shape");
+  REQUIRE_THROWS_WITH(call(view(dq), view(dk), view(dv), nullptr, {}, nullptr, nullptr),
+                      prefix + "logsumexp is null: pass the forward's logsumexp (B, Hq, Lq)");
+  REQUIRE_THROWS_WITH(call(view(q), view(dk), view(dv), lse.data(), {}, nullptr, nullptr),
+                      prefix +
+                          "dq overlaps q: the gradients must share no element with the "
+                          "inputs");
+  attn::Tensor<float, 4> shared(1, 1, 5, 4);
+  attn::HeadsView<float> dv_in_dk = view(shared);
+  dv_in_dk.dim = 2;
+  REQUIRE_THROWS_WITH(call(view(dq), view(shared), dv_in_dk, lse.data(), {}, nullptr, nullptr),
+                      prefix + "dk overlaps dv: the gradients must not overlap");
+  float scratch[4] = {};
+  REQUIRE_THROWS_WITH(call(view(dq), view(dk), view(dv), lse.data(), {}, scratch, nullptr),
+                      prefix + "dbias was requested but options.bias is not given");
+  REQUIRE_THROWS_WITH(call(view(dq), view(dk), view(dv), lse.data(), {}, nullptr, scratch),
+                      prefix + "dsinks was requested but options.sinks is not given");
+  std::vector<float> offsets_storage;
+  const std::vector<Index> offsets = {0, 3};
+  const attn::HeadsView<const float> packed = attn::detail::packed_view(cview(q), offsets);
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_backward_into<float>(
+                          packed, cview(k), cview(v), cview(out), lse.data(), cview(dout), view(dq),
+                          view(dk), view(dv)),
+                      prefix +
+                          "packed views (varlen) are not supported by the backward: pad the "
+                          "sequences and give key_lengths and query_lengths");
+}
+
+TEST_CASE("the backward of empty problems gives empty or zero gradients", "[backward]") {
+  // (B, Hq, Lq, Lk, Dv): no batch, no queries, no keys (every query sees nothing), no value dim.
+  const Index sizes[4][5] = {{0, 2, 3, 4, 2}, {1, 2, 0, 4, 2}, {1, 2, 3, 0, 2}, {1, 2, 3, 4, 0}};
+  for (const auto& z : sizes) {
+    INFO("B " << z[0] << ", Lq " << z[2] << ", Lk " << z[3] << ", Dv " << z[4]);
+    attn::Tensor<float, 4> q(z[0], z[1], z[2], 3), k(z[0], 1, z[3], 3), v(z[0], 1, z[3], z[4]),
+        dout(z[0], z[1], z[2], z[4]);
+    for (auto* t : {&q, &k, &v, &dout})
+      t->setRandom();
+    attn::Tensor<float, 3> lse;
+    const attn::Tensor<float, 4> out =
+        attn::scaled_dot_product_attention(q, k, v, {}, nullptr, &lse);
+    for (const attn::Algorithm algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
+      attn::AttentionOptions<float> options;
+      options.algorithm = algorithm;
+      const auto g = attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, options);
+      REQUIRE(g.dq.dimensions() == q.dimensions());
+      REQUIRE(g.dk.dimensions() == k.dimensions());
+      REQUIRE(g.dv.dimensions() == v.dimensions());
+      for (const auto* t : {&g.dq, &g.dk, &g.dv})
+        for (Index n = 0; n < t->size(); ++n)
+          REQUIRE(t->data()[n] == 0.0f);
+    }
+  }
+}
+
+namespace {
+
+/// backward.json's dropout cases (their own inputs; the mask from docs/training.md's rule,
+/// re-implemented in Python): the forward's out and the gradients of both algorithms.
+template <class T>
+void dropout_fixtures_match_autograd() {
+  const double tolerance = std::is_same_v<T, double> ? 1e-10 : 1e-4;
+  const auto& cases = ATTN_FIXTURE_CASES("backward.json", "dropout_cases", 3);
+  for (const auto& c : cases) {
+    INFO(c.at("name").template get<std::string>());
+    const attn::Tensor<T, 4> q = attn_test::tensor<T, 4>(c.at("q"));
+    const attn::Tensor<T, 4> k = attn_test::tensor<T, 4>(c.at("k"));
+    const attn::Tensor<T, 4> v = attn_test::tensor<T, 4>(c.at("v"));
+    const attn::Tensor<T, 4> dout = attn_test::tensor<T, 4>(c.at("dout"));
+    attn::Tensor<T, 4> bias;
+    attn::AttentionOptions<T> options;
+    const std::string causal = c.at("causal").template get<std::string>();
+    options.causal = causal == "top_left"       ? attn::Causal::top_left
+                     : causal == "bottom_right" ? attn::Causal::bottom_right
+                                                : attn::Causal::none;
+    if (!c.at("bias").is_null()) {
+      bias = attn_test::tensor<T, 4>(c.at("bias"));
+      options.bias = bias;
+    }
+    if (!c.at("sinks").is_null()) {
+      for (const double x : c.at("sinks").template get<std::vector<double>>())
+        options.sinks.push_back(static_cast<T>(x));
+    }
+    options.dropout_p = static_cast<T>(c.at("dropout_p").template get<double>());
+    options.dropout_seed = c.at("dropout_seed").template get<std::uint64_t>();
+    for (const attn::Algorithm algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
+      INFO(attn::algorithm_name(algorithm));
+      options.algorithm = algorithm;
+      attn::Tensor<T, 3> lse;
+      const attn::Tensor<T, 4> out =
+          attn::scaled_dot_product_attention(q, k, v, options, nullptr, &lse);
+      CHECK(scaled_error(flat(out), attn_test::values_of(c.at("out"))) <= tolerance);
+      const auto g = attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, options,
+                                                                 !options.bias.empty());
+      CHECK(scaled_error(flat(g.dq), attn_test::values_of(c.at("dq"))) <= tolerance);
+      CHECK(scaled_error(flat(g.dk), attn_test::values_of(c.at("dk"))) <= tolerance);
+      CHECK(scaled_error(flat(g.dv), attn_test::values_of(c.at("dv"))) <= tolerance);
+      if (!options.bias.empty())
+        CHECK(scaled_error(flat(g.dbias), attn_test::values_of(c.at("dbias"))) <= tolerance);
+      if (!options.sinks.empty()) {
+        CHECK(scaled_error(g.dsinks, c.at("dsinks").template get<std::vector<double>>()) <=
+              tolerance);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("dropout matches torch autograd with the documented mask",
+                                    "[backward][dropout]", dropout_fixtures_match_autograd)
+
+TEST_CASE("dropout drops weights at its rate and scales the others", "[backward][dropout]") {
+  // One head, 512 x 512 visible weights: the dropped share within 5 standard deviations of p,
+  // and every kept weight equal to the undropped one times 1 / (1 - p).
+  const attn::Matrix<double> q = attn::Matrix<double>::Random(512, 8);
+  const attn::Matrix<double> k = attn::Matrix<double>::Random(512, 8);
+  const attn::Matrix<double> v = attn::Matrix<double>::Random(512, 4);
+  attn::Matrix<double> weights, dropped_weights;
+  attn::scaled_dot_product_attention(q, k, v, {}, &weights);
+  for (const double p : {0.1, 0.3, 0.7}) {
+    INFO("p " << p);
+    attn::AttentionOptions<double> options;
+    options.dropout_p = p;
+    options.dropout_seed = 42;
+    attn::scaled_dot_product_attention(q, k, v, options, &dropped_weights);
+    Index dropped = 0;
+    double worst = 0;  // relative error of the kept weights against weights / (1 - p)
+    for (Index i = 0; i < 512; ++i) {
+      for (Index j = 0; j < 512; ++j) {
+        if (dropped_weights(i, j) == 0.0) {
+          ++dropped;
+        } else {
+          const double expected = weights(i, j) / (1 - p);
+          worst = std::max(worst, std::abs(dropped_weights(i, j) - expected) / expected);
+        }
+      }
+    }
+    CHECK(worst <= 1e-14);
+    const double rate = static_cast<double>(dropped) / (512.0 * 512.0);
+    CHECK(std::abs(rate - p) <= 5 * std::sqrt(p * (1 - p) / (512.0 * 512.0)));
+    // The same seed gives the same mask; another seed another one.
+    attn::Matrix<double> again, other;
+    attn::scaled_dot_product_attention(q, k, v, options, &again);
+    REQUIRE(again == dropped_weights);
+    options.dropout_seed = 43;
+    attn::scaled_dot_product_attention(q, k, v, options, &other);
+    REQUIRE(other != dropped_weights);
+  }
+}
+
+TEST_CASE("dropout's mask does not depend on tiles or the kernel", "[backward][dropout][isa]") {
+  std::mt19937 rng(17u);
+  const Heads<float> q = attn_test::random_heads<float>(2, 2, 150, 32, rng);
+  const Heads<float> k = attn_test::random_heads<float>(2, 2, 170, 32, rng);
+  const Heads<float> v = attn_test::random_heads<float>(2, 2, 170, 32, rng);
+  attn::AttentionOptions<float> options;
+  options.dropout_p = 0.4f;
+  options.dropout_seed = 5;
+  options.algorithm = attn::Algorithm::naive;
+  Heads<float> expected(2, 2, 150, 32), out(2, 2, 150, 32);
+  attn::scaled_dot_product_attention_into<float>(q.cview(), k.cview(), v.cview(), expected.view(),
+                                                 options);
+  options.algorithm = attn::Algorithm::flash;
+  for (const Index tile : {Index(0), Index(7), Index(64)}) {
+    options.query_tile = tile;
+    options.key_tile = tile == 7 ? 5 : tile;
+    attn::scaled_dot_product_attention_into<float>(q.cview(), k.cview(), v.cview(), out.view(),
+                                                   options);
+    INFO("tiles " << tile);
+    CHECK(attn_test::max_error(out.data, expected.data) <= 1e-5);
+  }
+}
+
+TEST_CASE("dropout is validated and refused by chunked and decode", "[backward][dropout][errors]") {
+  attn::Tensor<float, 4> q(1, 1, 4, 2), k(1, 1, 4, 2), v(1, 1, 4, 2);
+  q.setRandom();
+  k.setRandom();
+  v.setRandom();
+  attn::AttentionOptions<float> options;
+  for (const float p : {1.0f, -0.1f, std::numeric_limits<float>::quiet_NaN()}) {
+    options.dropout_p = p;
+    REQUIRE_THROWS_WITH(
+        attn::scaled_dot_product_attention(q, k, v, options),
+        "scaled_dot_product_attention: dropout_p is " + std::to_string(p) + ": must lie in [0, 1)");
+  }
+  options.dropout_p = 0.5f;
+  for (const attn::Algorithm algorithm : {attn::Algorithm::chunked, attn::Algorithm::decode}) {
+    options.algorithm = algorithm;
+    REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention(q, k, v, options),
+                        std::string("scaled_dot_product_attention: dropout was asked of "
+                                    "Algorithm::") +
+                            attn::algorithm_name(algorithm) +
+                            ": only naive and flash (or automatic) apply it");
+  }
+}
