@@ -1010,7 +1010,7 @@ void linear_backward_kv_head(const HeadsView<const T>& q, const HeadsView<const 
     // Pass 2, the chunks in reverse: R, r hold the query rows of the later chunks, in units
     // of the current chunk's key shift (it only grows along the forward, so the rescaling
     // factors are <= 1).
-    const Index chunks = static_cast<Index>(ws.shifts.size());
+    const auto chunks = static_cast<Index>(ws.shifts.size());
     for (Index ci = chunks - 1; ci >= 0; --ci) {
       const Index i0 = ci * chunk, n = std::min(chunk, q_length - i0);
       Index lo = 0, hi = 0;

@@ -40,6 +40,7 @@
 #include "attn/kernels/online_softmax.hpp"
 #include "attn/kernels/workspace.hpp"
 #include "attn/mask.hpp"
+#include "attn/plan.hpp"
 #include "attn/precision.hpp"
 #include "attn/tensor.hpp"
 
