@@ -304,3 +304,37 @@ TEST_CASE("MultiHeadAttention::forward_train and backward validate their inputs"
                       "MultiHeadAttention::backward: d_output is [2, 4, 8] but the forward's "
                       "output is [2, 3, 8] (B, L, E)");
 }
+
+TEST_CASE("MultiHeadAttention::backward: key and value as one tensor, and a reused context",
+          "[multihead_backward]") {
+  attn::MultiHeadAttentionConfig config;
+  config.embed_dim = 8;
+  config.num_heads = 2;
+  config.seed = 9;
+  const attn::MultiHeadAttention<double> mha(config);
+  std::mt19937_64 engine(2);
+  std::normal_distribution<double> normal;
+  attn::Tensor<double, 3> q(2, 3, 8), kv(2, 5, 8), dy(2, 3, 8);
+  for (attn::Tensor<double, 3>* t : {&q, &kv, &dy}) {
+    for (Index i = 0; i < t->size(); ++i)
+      t->data()[i] = normal(engine);
+  }
+  const attn::Tensor<double, 3> kv_copy = kv;
+  // One tensor takes the forward's [Wk | Wv] one-GEMM path; a copy takes the separate one.
+  const auto one = mha.forward_train(q, kv, kv);
+  const auto two = mha.forward_train(q, kv, kv_copy);
+  const attn::MultiHeadAttentionGradients<double> g1 = mha.backward(one.context, dy);
+  const attn::MultiHeadAttentionGradients<double> g2 = mha.backward(two.context, dy);
+  const attn::MultiHeadAttentionGradients<double> again = mha.backward(one.context, dy);
+  for (Index i = 0; i < g1.d_key.size(); ++i) {
+    CHECK(g1.d_key.data()[i] == Approx(g2.d_key.data()[i]).margin(1e-13));
+    CHECK(g1.d_value.data()[i] == Approx(g2.d_value.data()[i]).margin(1e-13));
+    CHECK(again.d_key.data()[i] == g1.d_key.data()[i]);  // the context is left unchanged
+  }
+  for (const auto& [name, t] : g1.parameters) {
+    for (std::size_t i = 0; i < t.data.size(); ++i) {
+      CHECK(t.data[i] == Approx(g2.parameters.at(name).data[i]).margin(1e-13));
+      CHECK(again.parameters.at(name).data[i] == t.data[i]);
+    }
+  }
+}
