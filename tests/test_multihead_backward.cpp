@@ -338,3 +338,50 @@ TEST_CASE("MultiHeadAttention::backward: key and value as one tensor, and a reus
     }
   }
 }
+
+TEST_CASE("MultiHeadAttention::backward_into accumulates like torch's .grad",
+          "[multihead_backward]") {
+  attn::MultiHeadAttentionConfig config;
+  config.embed_dim = 8;
+  config.num_heads = 4;
+  config.num_kv_heads = 2;
+  config.seed = 4;
+  const attn::MultiHeadAttention<double> mha(config);
+  std::mt19937_64 engine(8);
+  std::normal_distribution<double> normal;
+  attn::Tensor<double, 3> x(2, 4, 8), dy(2, 4, 8);
+  for (Index i = 0; i < x.size(); ++i) {
+    x.data()[i] = normal(engine);
+    dy.data()[i] = normal(engine);
+  }
+  attn::MultiHeadForwardOptions<double> options;
+  options.is_causal = true;
+  const attn::MultiHeadAttentionGradients<double> whole =
+      mha.backward(mha.forward_train(x, options).context, dy);
+  // The two sequences one call each, the second accumulated: the batch's gradients.
+  attn::MultiHeadAttentionGradients<double> parts;
+  for (Index b = 0; b < 2; ++b) {
+    attn::Tensor<double, 3> xb(1, 4, 8), dyb(1, 4, 8);
+    std::copy(x.data() + b * 32, x.data() + (b + 1) * 32, xb.data());
+    std::copy(dy.data() + b * 32, dy.data() + (b + 1) * 32, dyb.data());
+    mha.backward_into(mha.forward_train(xb, options).context, dyb, parts, b > 0);
+    for (Index i = 0; i < 32; ++i)
+      CHECK(parts.d_query.data()[i] == Approx(whole.d_query.data()[b * 32 + i]).margin(1e-13));
+  }
+  REQUIRE(parts.parameters.size() == whole.parameters.size());
+  for (const auto& [name, t] : whole.parameters) {
+    INFO("parameter " << name);
+    for (std::size_t i = 0; i < t.data.size(); ++i)
+      CHECK(parts.parameters.at(name).data[i] == Approx(t.data[i]).margin(1e-13));
+  }
+  attn::MultiHeadAttentionGradients<double> fresh;
+  const auto train = mha.forward_train(x, options);
+  REQUIRE_THROWS_WITH(mha.backward_into(train.context, dy, fresh, true),
+                      "MultiHeadAttention::backward_into: accumulate is true but "
+                      "grads.parameters has no [16] \"in_proj_bias\": accumulate into the "
+                      "gradients of an earlier call");
+  parts.parameters["extra"] = {{1}, {0.0}};
+  REQUIRE_THROWS_WITH(mha.backward_into(train.context, dy, parts, true),
+                      "MultiHeadAttention::backward_into: accumulate is true but "
+                      "grads.parameters has names state_dict() does not have");
+}

@@ -633,6 +633,42 @@ class MultiHeadAttention {
     return grads;
   }
 
+  /// backward() into `grads`. accumulate = false overwrites it; true adds the parameter
+  /// gradients to those already in grads.parameters (torch's .grad over several backward
+  /// calls: micro-batches, a module applied twice), which must then have state_dict()'s
+  /// names and shapes. The input gradients are always overwritten (they belong to this call).
+  void backward_into(const MultiHeadAttentionContext<T>& context,
+                     const Tensor<T, 3>& d_output,  // (B, L, E)
+                     MultiHeadAttentionGradients<T>& grads, bool accumulate = false) const {
+    constexpr const char* function = "MultiHeadAttention::backward_into";
+    if (!accumulate) {
+      backward_impl(context, d_output, grads);
+      return;
+    }
+    const StateDict<T> names = state_dict();
+    for (const auto& [name, t] : names) {
+      const auto it = grads.parameters.find(name);
+      if (it == grads.parameters.end() || it->second.shape != t.shape ||
+          it->second.data.size() != t.data.size()) {
+        detail::throw_invalid_argument(
+            function, "accumulate is true but grads.parameters has no " + shape_of(t.shape) +
+                          " \"" + name + "\": accumulate into the gradients of an earlier call");
+      }
+    }
+    if (grads.parameters.size() != names.size()) {
+      detail::throw_invalid_argument(function,
+                                     "accumulate is true but grads.parameters has names "
+                                     "state_dict() does not have");
+    }
+    StateDict<T> previous = std::move(grads.parameters);
+    backward_impl(context, d_output, grads);
+    for (auto& [name, t] : grads.parameters) {
+      const std::vector<T>& old = previous.at(name).data;
+      for (std::size_t i = 0; i < t.data.size(); ++i)
+        t.data[i] = static_cast<T>(t.data[i] + old[i]);
+    }
+  }
+
  private:
   bool is_self(const Tensor<T, 3>& query, const Tensor<T, 3>& key,
                const Tensor<T, 3>& value) const {
