@@ -38,6 +38,11 @@
 // forward_packed: positions restart at 0 in every sequence; forward_incremental: the new
 // keys are rotated once at lengths[b] + t as they enter the cache, the queries at the same
 // positions. Not combinable with add_bias_kv or add_zero_attn (those rows have no position).
+//
+// Training: forward_train returns the output and a MultiHeadAttentionContext (the inputs,
+// the projections, the attention output before out_proj, its log-sum-exp, the masks);
+// backward(context, d_output) returns the input gradients and every parameter's gradient
+// keyed as state_dict() (docs/training.md#multi-head-attention).
 #pragma once
 
 #include <algorithm>
@@ -53,6 +58,7 @@
 #include <Eigen/Core>
 
 #include "attn/attention.hpp"
+#include "attn/attention_backward.hpp"
 #include "attn/config.hpp"
 #include "attn/heads.hpp"
 #include "attn/init.hpp"
@@ -116,6 +122,11 @@ struct MultiHeadForwardOptions {
   bool is_causal = false;          ///< top-left causal mask (query i sees keys j <= i)
   bool need_weights = false;       ///< also return the attention weights (torch's default is true)
   bool average_attn_weights = true;  ///< weights averaged over heads (B, L, S') or per head
+  /// Attention dropout (torch's `dropout`, applied here whenever it is > 0: pass 0 for
+  /// evaluation): each weight dropped with probability dropout_p, the kept ones scaled by
+  /// 1 / (1 - dropout_p), by the rule of attn/dropout.hpp (seeded, not torch's generator).
+  double dropout_p = 0;
+  std::uint64_t dropout_seed = 0;  ///< the dropout's seed (docs/training.md#dropout)
 };
 
 /// The result of a forward call.
@@ -141,6 +152,36 @@ struct MultiHeadWorkspace {
   Tensor<compute_scalar_t<T>, 4> head_weights;  // (B, H, L, S'): for averaging, or 16-bit T
 };
 
+/// What MultiHeadAttention::backward needs from a forward_train call. Memory, with
+/// S' = S + add_bias_kv + add_zero_attn: a copy of the inputs (B*L*E for self-attention;
+/// B*(L*E + S*(kdim + vdim)) otherwise), the projections as the attention read them (after
+/// the rotation): B*(L + extra)*(E + 2*Ekv) for self-attention, B*(L*E + S'*2*Ekv)
+/// otherwise, the attention output before out_proj B*L*E, the log-sum-exp B*H*L in the
+/// compute scalar, and the combined masks when there are masks (bool keep-mask up to
+/// B*H*L*S', float mask up to B*H*L*S'). For self-attention at B*L tokens without masks
+/// that is B*L*(3E + 2*Ekv) scalars plus B*H*L.
+template <class T>
+struct MultiHeadAttentionContext {
+  const void* module = nullptr;     ///< the module whose forward_train filled it
+  bool self_attention = false;      ///< query, key and value were one tensor (one gradient)
+  Tensor<T, 3> query;               ///< (B, L, E), the forward's input
+  Tensor<T, 3> key;                 ///< (B, S, kdim); empty for self-attention
+  Tensor<T, 3> value;               ///< (B, S, vdim); empty for self-attention
+  MultiHeadWorkspace<T> workspace;  ///< projections (qkv, or q and kv), attn, keep, bias
+  Tensor<compute_scalar_t<T>, 3> logsumexp;  ///< (B, H, L) of the attention
+  Causal causal = Causal::none;              ///< the attention's causal mask
+  double dropout_p = 0;
+  std::uint64_t dropout_seed = 0;
+  bool empty() const { return module == nullptr; }
+};
+
+/// The result of forward_train: the forward's output and what backward needs.
+template <class T>
+struct MultiHeadAttentionTrainingOutput {
+  Tensor<T, 3> output;                   ///< (B, L, E), as forward() returns it
+  MultiHeadAttentionContext<T> context;  ///< pass to backward() with dL/d output
+};
+
 /// One entry of a PyTorch-style state_dict: shape and row-major data.
 template <class T>
 struct StateTensor {
@@ -151,6 +192,18 @@ struct StateTensor {
 /// PyTorch state_dict layout: name -> tensor (see the weight layouts at the top).
 template <class T>
 using StateDict = std::map<std::string, StateTensor<T>>;
+
+/// The gradients MultiHeadAttention::backward returns.
+template <class T>
+struct MultiHeadAttentionGradients {
+  Tensor<T, 3> d_query;  ///< (B, L, E); self-attention: the sum of the q, k and v paths
+  Tensor<T, 3> d_key;    ///< (B, S, kdim); empty for self-attention
+  Tensor<T, 3> d_value;  ///< (B, S, vdim); empty for self-attention
+  /// The parameters' gradients keyed and shaped exactly as state_dict() (torch's .grad of
+  /// each parameter): in_proj_weight or q/k/v_proj_weight, in_proj_bias, bias_k, bias_v,
+  /// out_proj.weight, out_proj.bias, as the module has them.
+  StateDict<T> parameters;
+};
 
 /// Multi-head attention (batch first), torch.nn.MultiheadAttention's numbers.
 template <class T>
@@ -521,7 +574,117 @@ class MultiHeadAttention {
                     const Tensor<T, 3>& value,  // (B, S, vdim)
                     const MultiHeadForwardOptions<T>& options, MultiHeadAttentionOutput<T>& result,
                     MultiHeadWorkspace<T>& workspace) const {
-    constexpr const char* function = "MultiHeadAttention::forward";
+    forward_impl("MultiHeadAttention::forward", query, key, value, options, result, workspace,
+                 nullptr);
+  }
+
+  /// Self-attention forward for training: forward(x, options)'s output and the context
+  /// backward() needs (see MultiHeadAttentionContext for what it holds and its memory).
+  MultiHeadAttentionTrainingOutput<T> forward_train(
+      const Tensor<T, 3>& x,  // (B, L, E)
+      const MultiHeadForwardOptions<T>& options = {}) const {
+    return forward_train(x, x, x, options);
+  }
+
+  /// Forward for training: query (B, L, E), key (B, S, kdim), value (B, S, vdim), the same
+  /// tensor three times for self-attention. The output equals forward()'s; the context
+  /// keeps copies of the inputs and masks, so they need not outlive the call. need_weights
+  /// must be false (the weights are not differentiated).
+  MultiHeadAttentionTrainingOutput<T> forward_train(
+      const Tensor<T, 3>& query,  // (B, L, E)
+      const Tensor<T, 3>& key,    // (B, S, kdim)
+      const Tensor<T, 3>& value,  // (B, S, vdim)
+      const MultiHeadForwardOptions<T>& options = {}) const {
+    constexpr const char* function = "MultiHeadAttention::forward_train";
+    if (options.need_weights) {
+      detail::throw_invalid_argument(
+          function,
+          "need_weights must be false: the attention weights are not differentiated "
+          "(call forward() for them)");
+    }
+    MultiHeadAttentionTrainingOutput<T> train;
+    MultiHeadAttentionContext<T>& c = train.context;
+    MultiHeadAttentionOutput<T> result;
+    const AttentionOptions<C> attention =
+        forward_impl(function, query, key, value, options, result, c.workspace, &c.logsumexp);
+    train.output = std::move(result.output);
+    c.self_attention = is_self(query, key, value);
+    c.query = query;
+    if (!c.self_attention) {
+      c.key = key;
+      c.value = value;
+    }
+    c.causal = attention.causal;
+    c.dropout_p = options.dropout_p;
+    c.dropout_seed = options.dropout_seed;
+    c.module = this;
+    return train;
+  }
+
+  /// The backward of forward_train: from its context and d_output = dL/d output (B, L, E),
+  /// the gradients of the inputs (d_query, and d_key, d_value unless self-attention) and of
+  /// every parameter, keyed as state_dict() (torch's .grad). Differentiates every forward
+  /// option: masks, is_causal, add_bias_kv (bias_k, bias_v get gradients), add_zero_attn,
+  /// grouped-query heads, rotary (the gradients rotated back), dropout (the same mask).
+  MultiHeadAttentionGradients<T> backward(const MultiHeadAttentionContext<T>& context,
+                                          const Tensor<T, 3>& d_output) const {  // (B, L, E)
+    MultiHeadAttentionGradients<T> grads;
+    backward_impl(context, d_output, grads);
+    return grads;
+  }
+
+  /// backward() into `grads`. accumulate = false overwrites it; true adds the parameter
+  /// gradients to those already in grads.parameters (torch's .grad over several backward
+  /// calls: micro-batches, a module applied twice), which must then have state_dict()'s
+  /// names and shapes. The input gradients are always overwritten (they belong to this call).
+  void backward_into(const MultiHeadAttentionContext<T>& context,
+                     const Tensor<T, 3>& d_output,  // (B, L, E)
+                     MultiHeadAttentionGradients<T>& grads, bool accumulate = false) const {
+    constexpr const char* function = "MultiHeadAttention::backward_into";
+    if (!accumulate) {
+      backward_impl(context, d_output, grads);
+      return;
+    }
+    const StateDict<T> names = state_dict();
+    for (const auto& [name, t] : names) {
+      const auto it = grads.parameters.find(name);
+      if (it == grads.parameters.end() || it->second.shape != t.shape ||
+          it->second.data.size() != t.data.size()) {
+        detail::throw_invalid_argument(
+            function, "accumulate is true but grads.parameters has no " + shape_of(t.shape) +
+                          " \"" + name + "\": accumulate into the gradients of an earlier call");
+      }
+    }
+    if (grads.parameters.size() != names.size()) {
+      detail::throw_invalid_argument(function,
+                                     "accumulate is true but grads.parameters has names "
+                                     "state_dict() does not have");
+    }
+    StateDict<T> previous = std::move(grads.parameters);
+    backward_impl(context, d_output, grads);
+    for (auto& [name, t] : grads.parameters) {
+      const std::vector<T>& old = previous.at(name).data;
+      for (std::size_t i = 0; i < t.data.size(); ++i)
+        t.data[i] = static_cast<T>(t.data[i] + old[i]);
+    }
+  }
+
+ private:
+  bool is_self(const Tensor<T, 3>& query, const Tensor<T, 3>& key,
+               const Tensor<T, 3>& value) const {
+    return query.data() == key.data() && query.data() == value.data() &&
+           query.dimension(1) == key.dimension(1) && in_proj_.is_fused();
+  }
+
+  /// forward_into's body. With `logsumexp` (training) it is filled (B, H, L), and every mask
+  /// is copied into the workspace (the backward reads them after the caller's are gone).
+  /// Returns the attention options used (pointing into the workspace and the masks).
+  AttentionOptions<C> forward_impl(const char* function, const Tensor<T, 3>& query,
+                                   const Tensor<T, 3>& key, const Tensor<T, 3>& value,
+                                   const MultiHeadForwardOptions<T>& options,
+                                   MultiHeadAttentionOutput<T>& result,
+                                   MultiHeadWorkspace<T>& workspace,
+                                   Tensor<C, 3>* logsumexp) const {
     check_inputs(function, query, key, value, options);
     if (has_rotary() && std::max(query.dimension(1), key.dimension(1)) > rotary_.max_positions()) {
       detail::throw_invalid_argument(function, "query is " + shape3(query) + " and key is " +
@@ -539,8 +702,7 @@ class MultiHeadAttention {
 
     // pass 1: projections straight into (B, L, H, D) / (B, S', Hkv, D) memory.
     HeadsView<T> qv, kv, vv;  // into the workspace (the rotation writes them)
-    const bool self = query.data() == key.data() && query.data() == value.data() &&
-                      q_length == k_length && in_proj_.is_fused();
+    const bool self = is_self(query, key, value);
     if (self) {
       // One buffer (B, L + extra, E + 2*Ekv): q | k | v column blocks.
       const Index width = e + 2 * ekv, rows_per_batch = q_length + extra;
@@ -585,7 +747,10 @@ class MultiHeadAttention {
 
     // Masks, translated to the SDPA conventions (keep-mask: true = may attend).
     AttentionOptions<C> attention;
-    build_masks(options, batch, q_length, k_length, kv_length, workspace, attention);
+    build_masks(options, batch, q_length, k_length, kv_length, workspace, attention,
+                logsumexp != nullptr);
+    attention.dropout_p = static_cast<C>(options.dropout_p);
+    attention.dropout_seed = options.dropout_seed;
 
     // pass 2: attention, written as (B, L, H, D) = (B, L, E).
     workspace.attn.resize(batch * q_length, e);
@@ -601,7 +766,12 @@ class MultiHeadAttention {
         weights = workspace.head_weights.data();
       }
     }
-    scaled_dot_product_attention_into<T>(qv, kv, vv, out, attention, weights);
+    C* lse = nullptr;
+    if (logsumexp != nullptr) {
+      logsumexp->resize(batch, heads, q_length);
+      lse = logsumexp->data();
+    }
+    scaled_dot_product_attention_into<T>(qv, kv, vv, out, attention, weights, lse);
     if (!options.need_weights || options.average_attn_weights) {
       result.weights = Tensor<T, 4>();
     } else if constexpr (!std::is_same_v<T, C>) {
@@ -629,9 +799,184 @@ class MultiHeadAttention {
     out_proj_.apply_into(
         ConstRowsMap<T>(workspace.attn.data(), batch * q_length, e, Eigen::OuterStride<>(e)),
         RowsMap<T>(result.output.data(), batch * q_length, e, Eigen::OuterStride<>(e)));
+    return attention;
   }
 
- private:
+  void backward_impl(const MultiHeadAttentionContext<T>& context,
+                     const Tensor<T, 3>& d_output,  // (B, L, E)
+                     MultiHeadAttentionGradients<T>& grads) const {
+    constexpr const char* function = "MultiHeadAttention::backward";
+    if (context.empty()) {
+      detail::throw_invalid_argument(function,
+                                     "the context is empty: pass the context forward_train filled");
+    }
+    if (context.module != this) {
+      detail::throw_invalid_argument(
+          function,
+          "the context comes from another module (or from this one before it was "
+          "copied or moved): pass the context of this module's forward_train");
+    }
+    const Tensor<T, 3>& query = context.query;
+    const bool self = context.self_attention;
+    const Tensor<T, 3>& key = self ? query : context.key;
+    const Tensor<T, 3>& value = self ? query : context.value;
+    const Index batch = query.dimension(0), q_length = query.dimension(1),
+                k_length = key.dimension(1);
+    const Index extra = Index(config_.add_bias_kv) + Index(config_.add_zero_attn);
+    const Index kv_length = k_length + extra;  // S'
+    const Index e = config_.embed_dim, ekv = kv_width(), d = head_dim();
+    const Index heads = config_.num_heads, kv_heads = config_.num_kv_heads;
+    if (d_output.dimension(0) != batch || d_output.dimension(1) != q_length ||
+        d_output.dimension(2) != e) {
+      detail::throw_invalid_argument(
+          function, "d_output is " + shape3(d_output) + " but the forward's output is " +
+                        detail::shape_string({batch, q_length, e}) + " (B, L, E)");
+    }
+    const MultiHeadWorkspace<T>& ws = context.workspace;
+    const Index tokens = batch * q_length;
+
+    // out_proj: its parameter gradients and d_attn (B*L, E) = (B, L, H, D).
+    Matrix<T> d_attn(tokens, e), out_w_grad;
+    Vector<T> out_b_grad;
+    RowsMap<T> d_attn_rows(d_attn.data(), tokens, e, Eigen::OuterStride<>(e));
+    out_proj_.backward_into(ConstRowsMap<T>(ws.attn.data(), tokens, e, Eigen::OuterStride<>(e)),
+                            ConstRowsMap<T>(d_output.data(), tokens, e, Eigen::OuterStride<>(e)),
+                            &d_attn_rows, out_w_grad, out_b_grad);
+
+    // The attention's gradients, laid out as the forward's projection buffers (the q, k, v
+    // gradients are column blocks of one buffer for self-attention).
+    const Index width = self ? e + 2 * ekv : 2 * ekv;
+    const Index rows_per_batch = self ? q_length + extra : kv_length;  // of the k | v rows
+    Matrix<T> d_qkv = Matrix<T>::Zero(batch * rows_per_batch, width);  // k | v (and q if self)
+    Matrix<T> d_q;                                                     // cross: (B*L, E)
+    HeadsView<const T> qv, kv, vv;
+    HeadsView<T> dqv, dkv, dvv;
+    const Index kv_col = self ? e : 0;
+    if (self) {
+      qv = strided(static_cast<const T*>(ws.qkv.data()), batch, q_length, heads, d, rows_per_batch,
+                   width);
+      dqv = strided(d_qkv.data(), batch, q_length, heads, d, rows_per_batch, width);
+    } else {
+      d_q.resize(tokens, e);
+      qv = strided(static_cast<const T*>(ws.q.data()), batch, q_length, heads, d, q_length, e);
+      dqv = strided(d_q.data(), batch, q_length, heads, d, q_length, e);
+    }
+    const T* kv_data = self ? ws.qkv.data() : ws.kv.data();
+    kv = strided(column(kv_data, kv_col), batch, kv_length, kv_heads, d, rows_per_batch, width);
+    vv = strided(column(kv_data, kv_col + ekv), batch, kv_length, kv_heads, d, rows_per_batch,
+                 width);
+    dkv =
+        strided(column(d_qkv.data(), kv_col), batch, kv_length, kv_heads, d, rows_per_batch, width);
+    dvv = strided(column(d_qkv.data(), kv_col + ekv), batch, kv_length, kv_heads, d, rows_per_batch,
+                  width);
+    AttentionOptions<C> attention;
+    attention.causal = context.causal;
+    if (ws.keep.size() > 0) {
+      attention.keep_mask = Broadcast<bool>(
+          ws.keep.data(),
+          {ws.keep.dimension(0), ws.keep.dimension(1), ws.keep.dimension(2), ws.keep.dimension(3)});
+    }
+    if (ws.bias.size() > 0) {
+      attention.bias = Broadcast<C>(ws.bias.data(), {ws.bias.dimension(0), ws.bias.dimension(1),
+                                                     ws.bias.dimension(2), ws.bias.dimension(3)});
+    }
+    attention.dropout_p = static_cast<C>(context.dropout_p);
+    attention.dropout_seed = context.dropout_seed;
+    scaled_dot_product_attention_backward_into<T>(
+        qv, kv, vv, blhd_view(static_cast<const T*>(ws.attn.data()), batch, q_length, heads, d),
+        context.logsumexp.data(),
+        blhd_view(static_cast<const T*>(d_attn.data()), batch, q_length, heads, d), dqv, dkv, dvv,
+        attention);
+    if (has_rotary()) {  // the transpose of the forward's rotation, at the same positions
+      rotary_.apply_backward(dqv);
+      rotary_.apply_backward(dkv);
+    }
+
+    // The appended rows: bias_k / bias_v collect their rows' gradients; zero rows have none.
+    StateDict<T>& p = grads.parameters;
+    p.clear();
+    const auto put = [&](const std::string& name, std::vector<Index> shape, const T* data) {
+      Index count = 1;
+      for (const Index dim : shape)
+        count *= dim;
+      p[name] = {std::move(shape), std::vector<T>(data, data + count)};
+    };
+    if (config_.add_bias_kv) {
+      Vector<T> bk = Vector<T>::Zero(ekv), bv = Vector<T>::Zero(ekv);
+      for (Index b = 0; b < batch; ++b) {
+        const T* row = d_qkv.data() + (b * rows_per_batch + k_length) * width + kv_col;
+        bk += Eigen::Map<const Vector<T>>(row, ekv);
+        bv += Eigen::Map<const Vector<T>>(row + ekv, ekv);
+      }
+      put("bias_k", {1, 1, ekv}, bk.data());
+      put("bias_v", {1, 1, ekv}, bv.data());
+    }
+
+    // in_proj: the input gradients and the in_proj_* gradients. One call over all rows when
+    // no row was appended (self-attention: the one-GEMM fused path), else one per sequence.
+    grads.d_query.resize(batch, q_length, e);
+    if (!self) {
+      grads.d_key.resize(batch, k_length, config_.kdim);
+      grads.d_value.resize(batch, k_length, config_.vdim);
+    }
+    QKVProjectionGradients<T> in_grads;
+    const T* dq_data = self ? d_qkv.data() : d_q.data();
+    const Index dq_stride = self ? width : e, dq_rows_per_batch = self ? rows_per_batch : q_length;
+    const Index parts = extra == 0 ? 1 : batch;  // row ranges of one call
+    const Index q_rows = extra == 0 ? tokens : q_length,
+                k_rows = extra == 0 ? batch * k_length : k_length;
+    for (Index part = 0; part < parts; ++part) {
+      const auto rows = [&](const Tensor<T, 3>& x, Index length, Index count) {
+        const Index w = x.dimension(2);
+        return ConstRowsMap<T>(x.data() + part * length * w, count, w, Eigen::OuterStride<>(w));
+      };
+      const auto grad_rows = [&](Tensor<T, 3>& g, Index length, Index count) {
+        const Index w = g.dimension(2);
+        return RowsMap<T>(g.data() + part * length * w, count, w, Eigen::OuterStride<>(w));
+      };
+      // A gradient block: `cols` columns of rows `stride` apart, `rows_per` rows a sequence.
+      const auto d_rows = [&](const T* base, Index rows_per, Index stride, Index count,
+                              Index cols) {
+        return ConstRowsMap<T>(base + part * rows_per * stride, count, cols,
+                               Eigen::OuterStride<>(stride));
+      };
+      const T* dkv_data = d_qkv.data();
+      const ConstRowsMap<T> dq_r = d_rows(dq_data, dq_rows_per_batch, dq_stride, q_rows, e);
+      const ConstRowsMap<T> dk_r =
+          d_rows(column(dkv_data, kv_col), rows_per_batch, width, k_rows, ekv);
+      const ConstRowsMap<T> dv_r =
+          d_rows(column(dkv_data, kv_col + ekv), rows_per_batch, width, k_rows, ekv);
+      const bool accumulate = part > 0;
+      RowsMap<T> dx_q = grad_rows(grads.d_query, q_length, q_rows);
+      if (self) {
+        const ConstRowsMap<T> x = rows(query, q_length, q_rows);
+        in_proj_.backward_into(x, x, x, dq_r, dk_r, dv_r, &dx_q, &dx_q, &dx_q, in_grads,
+                               accumulate);
+      } else {
+        RowsMap<T> dx_k = grad_rows(grads.d_key, k_length, k_rows);
+        RowsMap<T> dx_v = grad_rows(grads.d_value, k_length, k_rows);
+        in_proj_.backward_into(rows(query, q_length, q_rows), rows(key, k_length, k_rows),
+                               rows(value, k_length, k_rows), dq_r, dk_r, dv_r, &dx_q, &dx_k, &dx_v,
+                               in_grads, accumulate);
+      }
+    }
+    const auto put_matrix = [&](const std::string& name, const Matrix<T>& m) {  // (out, in)
+      put(name, {m.rows(), m.cols()}, m.data());
+    };
+    if (in_proj_.is_fused()) {
+      put_matrix("in_proj_weight", in_grads.in_proj_weight);
+    } else {
+      put_matrix("q_proj_weight", in_grads.q_proj_weight);
+      put_matrix("k_proj_weight", in_grads.k_proj_weight);
+      put_matrix("v_proj_weight", in_grads.v_proj_weight);
+    }
+    if (config_.bias) {
+      put("in_proj_bias", {e + 2 * ekv}, in_grads.in_proj_bias.data());
+      put("out_proj.bias", {e}, out_b_grad.data());
+    }
+    put_matrix("out_proj.weight", out_w_grad);
+  }
+
   static std::string shape_of(const std::vector<Index>& shape) {
     return detail::list_string(shape);
   }
@@ -713,6 +1058,11 @@ class MultiHeadAttention {
                         detail::shape_string({config_.embed_dim, config_.kdim, config_.vdim}) +
                         ": widths differ");
     }
+    if (!(options.dropout_p >= 0 && options.dropout_p < 1)) {
+      detail::throw_invalid_argument(
+          function,
+          "dropout_p is " + detail::number_string(options.dropout_p) + ": must lie in [0, 1)");
+    }
     const Index batch = query.dimension(0), q_length = query.dimension(1),
                 k_length = key.dimension(1);
     const MaskArg<bool>& kpm = options.key_padding_mask;
@@ -744,7 +1094,10 @@ class MultiHeadAttention {
 
   /// The column block at `offset` of a buffer; an empty buffer's null data stays null
   /// (no arithmetic on a null pointer, e.g. for L = 0).
-  static T* column(T* data, Index offset) { return data == nullptr ? data : data + offset; }
+  template <class U>
+  static U* column(U* data, Index offset) {
+    return data == nullptr ? data : data + offset;
+  }
 
   template <class U>
   static HeadsView<U> strided(U* data, Index batch, Index length, Index heads, Index dim,
@@ -798,7 +1151,7 @@ class MultiHeadAttention {
   /// true = may attend, additive bias). Appended keys (j >= S) are never masked.
   void build_masks(const MultiHeadForwardOptions<T>& options, Index batch, Index q_length,
                    Index k_length, Index kv_length, MultiHeadWorkspace<T>& ws,
-                   AttentionOptions<C>& attention) const {
+                   AttentionOptions<C>& attention, bool copy_masks) const {
     const Index heads = config_.num_heads;
     const bool extra = kv_length != k_length;
     const MaskArg<bool>& kpm = options.key_padding_mask;
@@ -838,7 +1191,7 @@ class MultiHeadAttention {
       const Index mb = per_head ? batch : 1, mh = per_head ? heads : 1;
       bool in_place = false;
       if constexpr (std::is_same_v<T, C>) {
-        if (!extra) {
+        if (!extra && !copy_masks) {
           // (B*H, L, S) memory is (B, H, L, S): use it in place.
           attention.bias = Broadcast<C>(fm.data(), {mb, mh, q_length, k_length});
           in_place = true;

@@ -213,6 +213,36 @@ class RotaryEmbedding {
     });
   }
 
+  /// The transpose of apply() (its vector-Jacobian product, for a backward pass): turns
+  /// every pair by -p f_i and scales by the attention factor, in place, at the positions
+  /// apply() would use for the same offsets. For a gradient dy of y = apply(x), the result
+  /// is dx. Without YaRN's attention factor (1) it is also apply()'s inverse. Runs apply()'s
+  /// kernel between two exact sign flips of each pair's second feature, since
+  /// flip * rotation(theta) * flip = rotation(-theta).
+  template <class S>
+  void apply_backward(const HeadsView<S>& x,  // (B, H, L, D)
+                      const std::vector<Index>& offsets = {}) const {
+    check_view("RotaryEmbedding::apply_backward", x);
+    flip_second_features(x);
+    try {
+      apply(x, offsets);
+    } catch (const std::invalid_argument& error) {
+      flip_second_features(x);  // leave x as it was
+      const std::string what = error.what();
+      const std::string from = "RotaryEmbedding::apply";
+      detail::throw_invalid_argument(
+          "RotaryEmbedding::apply_backward",
+          what.rfind(from + ": ", 0) == 0 ? what.substr(from.size() + 2) : what);
+    }
+    flip_second_features(x);
+  }
+  /// apply_backward() on a rank-4 tensor x (B, H, L, D).
+  template <class S>
+  void apply_backward(Tensor<S, 4>& x,  // (B, H, L, D)
+                      const std::vector<Index>& offsets = {}) const {
+    apply_backward(bhld_view(x), offsets);
+  }
+
   /// apply() on a rank-4 tensor x (B, H, L, D).
   template <class S>
   void apply(Tensor<S, 4>& x,  // (B, H, L, D)
@@ -230,6 +260,25 @@ class RotaryEmbedding {
   template <class S>
   static std::string shape(const HeadsView<S>& x) {
     return detail::shape_string({x.batch, x.heads, x.length, x.dim});
+  }
+
+  /// Negates the second feature of every rotated pair (exact, also in 16 bits).
+  template <class S>
+  void flip_second_features(const HeadsView<S>& x) const {
+    const Index half = config_.rotary_dim / 2;
+    const bool interleaved = config_.pairing == RopePairing::interleaved;
+    for (Index b = 0; b < x.batch; ++b) {
+      for (Index h = 0; h < x.heads; ++h) {
+        HeadMatrix<S> head = x.head(b, h);  // (rows(b), D)
+        for (Index t = 0; t < head.rows(); ++t) {
+          S* row = head.data() + t * head.outerStride();
+          for (Index i = 0; i < half; ++i) {
+            S& second = row[interleaved ? 2 * i + 1 : half + i];
+            second = -second;
+          }
+        }
+      }
+    }
   }
 
   Index table_index(Index position, Index i) const {
