@@ -849,9 +849,13 @@ class QKVProjection {
       }
       RowsMap<T> wg = is_fused_ ? block(grads.in_proj_weight, first[p], widths[p])
                                 : block(*separate[p], 0, widths[p]);
-      const bool shared = (p >= 1 && same(dxs[p], dxs[0])) || (p == 2 && same(dxs[2], dxs[1]));
-      detail::linear_backward_into<T>(*xs[p], weight_block(p), *gs[p], dxs[p], shared, &wg,
-                                      bias != nullptr ? bias + first[p] : nullptr, accumulate);
+      // A dx shared with an earlier path sums this path into it.
+      const bool accumulate_dx =
+          (p >= 1 && same(dxs[p], dxs[0])) || (p == 2 && same(dxs[2], dxs[1]));
+      const bool accumulate_parameters = accumulate;
+      detail::linear_backward_into<T>(*xs[p], weight_block(p), *gs[p], dxs[p], accumulate_dx, &wg,
+                                      bias != nullptr ? bias + first[p] : nullptr,
+                                      accumulate_parameters);
     }
     if (is_fused_) {
       grads.q_proj_weight.resize(0, 0);
