@@ -5,8 +5,8 @@
 // No include guard and no #include: kernels/flash_backward.hpp includes this file inside
 // namespace attn::detail::generic, attn::detail::avx2 and attn::detail::avx512 (in their
 // target regions), after the forward's online_softmax.inl. It uses that namespace's tile
-// products (pack_queries, scores, exp_rows, accumulate, weighted_sum, padded), here with the
-// keys of a tile along the vector lanes and the queries on the rows:
+// products (pack_queries, scores, exp_rows, accumulate, weighted_sum, score_gradient_row,
+// padded), here with the keys of a tile along the vector lanes and the queries on the rows:
 //
 //   kt, vt    (D, W), (Dv, W)   scale * k tile^T and v tile^T, packed once per key tile
 //   s         (Bq, W)           scores -> p of one query tile
@@ -111,18 +111,10 @@ struct BackwardKernels {
         } else {  // Dv = 0: dp is 0 (and vt an empty buffer)
           std::fill_n(dp, rows * stride, T(0));
         }
-        for (Index r = 0; r < rows; ++r) {
-          const T* p = s + r * stride;
-          T* ds = dp + r * stride;
-          const T delta = head.delta[i0 + r];
-          if (dropout.active()) {  // ds = p (f dp - delta)
-            const T* f = workspace.drop.data() + r * stride;
-            for (Index c = 0; c < width; ++c)
-              ds[c] = scale * (p[c] * (f[c] * ds[c] - delta));
-          } else {
-            for (Index c = 0; c < width; ++c)
-              ds[c] = scale * (p[c] * (ds[c] - delta));
-          }
+        for (Index r = 0; r < rows; ++r) {  // ds = scale p (f dp - delta)
+          score_gradient_row(s + r * stride,
+                             dropout.active() ? workspace.drop.data() + r * stride : nullptr,
+                             head.delta[i0 + r], scale, width, dp + r * stride);
         }
         if (softcap)
           apply_softcap_derivative(workspace.raw.data(), rows * stride, *softcap, dp);

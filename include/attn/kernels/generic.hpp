@@ -116,6 +116,18 @@ void accumulate(const T* st, Index st_stride, Index keys, Index width, const T* 
   }
 }
 
+// --- Flash backward ----------------------------------------------------------------------
+
+template <class T>
+void score_gradient_row(const T* p, const T* f, T delta, T scale, Index width, T* ds) {
+  RowArray<T> d(ds, width);
+  const ConstRowArray<T> probabilities(p, width);
+  if (f != nullptr)
+    d = scale * (probabilities * (ConstRowArray<T>(f, width) * d - delta));
+  else
+    d = scale * (probabilities * (d - delta));
+}
+
 // --- Widening ---------------------------------------------------------------------------
 
 template <class S>
