@@ -161,6 +161,11 @@ void attention_backward_into(const HeadsView<const S>& q,     // (B, Hq, Lq, D)
   if (dsinks != nullptr && options.sinks.empty()) {
     throw_invalid_argument(function, "dsinks was requested but options.sinks is not given");
   }
+  if (options.score_mod) {
+    throw_invalid_argument(function,
+                           "options.score_mod is forward only: a score_mod has no derivative "
+                           "here (mask_mod and block_mask are supported)");
+  }
   const T scale = resolve_scale(function, options.scale, q.dim);
   const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options);
   const KernelPlan plan = plan_backward<T>(

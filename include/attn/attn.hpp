@@ -6,6 +6,7 @@
 
 #include "attn/attention.hpp"
 #include "attn/attention_backward.hpp"
+#include "attn/block_mask.hpp"
 #include "attn/config.hpp"
 #include "attn/cpu.hpp"
 #include "attn/heads.hpp"
@@ -13,6 +14,7 @@
 #include "attn/kv_cache.hpp"
 #include "attn/linear_attention.hpp"
 #include "attn/mask.hpp"
+#include "attn/mods.hpp"
 #include "attn/multihead.hpp"
 #include "attn/options.hpp"
 #include "attn/plan.hpp"

@@ -34,8 +34,10 @@
 #include <string>
 #include <vector>
 
+#include "attn/block_mask.hpp"
 #include "attn/config.hpp"
 #include "attn/dropout.hpp"
+#include "attn/mods.hpp"
 #include "attn/score_modifiers.hpp"
 #include "attn/tensor.hpp"
 
@@ -88,13 +90,6 @@ class Broadcast {
   std::array<Index, 4> dims_{0, 0, 0, 0};
 };
 
-/// How a rectangular tile of (query, key) positions relates to the mask.
-enum class TileVisibility : std::uint8_t {
-  hidden,   ///< no (i, j) in the tile is visible: skip it
-  visible,  ///< every (i, j) is visible: no mask evaluation needed (a bias may still apply)
-  partial,  ///< evaluate the mask element by element
-};
-
 /// Every part of a mask, as the options of an attention call give it (AttentionOptions
 /// derives from this). All parts are optional; an empty vector or view means "not given".
 template <class T>
@@ -126,6 +121,16 @@ struct MaskOptions {
   /// The seed of the dropout's generator: the same seed gives the same mask, in the forward
   /// and the backward, whatever the kernel, tiles or threads.
   std::uint64_t dropout_seed = 0;
+  /// FlexAttention's score_mod (attn/mods.hpp): changes each scaled score, before softcap,
+  /// ALiBi and the bias. Forward only (the backward refuses it).
+  ScoreMod<T> score_mod;
+  /// FlexAttention's mask_mod (attn/mods.hpp), evaluated on every tile the other options
+  /// leave visible. Give either this or block_mask, not both.
+  MaskMod mask_mod;
+  /// A mask_mod classified block by block (attn/block_mask.hpp): kernels skip its hidden
+  /// blocks and evaluate its mask_mod only on partial ones. Its sizes must be (B or 1,
+  /// Hq or 1, Lq, Lk) of the call (for packed sequences: the longest ones).
+  BlockMask block_mask;
 };
 
 /// A mask description resolved for one problem of shape (B, H, Lq, Lk) and validated.
@@ -156,7 +161,11 @@ class Mask {
         alibi_slopes_(options.alibi_slopes),
         softcap_(options.softcap),
         sinks_(options.sinks),
-        dropout_(function, options.dropout_p, options.dropout_seed) {
+        dropout_(function, options.dropout_p, options.dropout_seed),
+        score_mod_(options.score_mod),
+        mask_mod_(options.block_mask.empty() ? options.mask_mod : options.block_mask.mask_mod()),
+        block_mask_(options.block_mask) {
+    check_block_mask(function, options);
     check_per_head(function, "alibi_slopes", alibi_slopes_);
     check_per_head(function, "sinks", sinks_);
     if (softcap_ && !(std::isfinite(*softcap_) && *softcap_ > T(0))) {
@@ -190,13 +199,20 @@ class Mask {
   bool has_keep_mask() const { return !keep_mask_.empty(); }
   bool has_bias() const { return !bias_.empty(); }
   bool has_sink_tokens() const { return sink_tokens_ > 0; }
+  bool has_score_mod() const { return static_cast<bool>(score_mod_); }
+  bool has_mask_mod() const { return static_cast<bool>(mask_mod_); }
+  /// True when a partial tile needs a look at every element: a keep-mask or a mask_mod.
+  bool has_elementwise_mask() const { return has_keep_mask() || has_mask_mod(); }
   Index sink_tokens() const { return sink_tokens_; }
-  /// True when the scores of visible keys change: a bias, ALiBi or soft-capping.
-  bool modifies_scores() const { return has_bias() || !alibi_slopes_.empty() || softcap_; }
+  /// True when the scores of visible keys change: a score_mod, a bias, ALiBi or soft-capping.
+  bool modifies_scores() const {
+    return has_score_mod() || has_bias() || !alibi_slopes_.empty() || softcap_;
+  }
   /// True when nothing is masked and nothing is changed: every key is visible.
   bool is_trivial() const {
     return causal_ == Causal::none && window_.left < 0 && window_.right < 0 &&
-           key_lengths_.empty() && query_lengths_.empty() && !has_keep_mask() && !modifies_scores();
+           key_lengths_.empty() && query_lengths_.empty() && !has_elementwise_mask() &&
+           !modifies_scores();
   }
 
   /// The dropout of the probabilities (inactive when dropout_p is 0).
@@ -295,11 +311,88 @@ class Mask {
     bool inside = false;
     for (std::size_t n = 0; n < keys.count; ++n)
       inside = inside || (j >= keys.interval[n][0] && j < keys.interval[n][1]);
-    return inside && keep(b, h, i, j);
+    return inside && keep(b, h, i, j) && (!has_mask_mod() || mask_mod_(b, h, i, j));
   }
 
-  /// Classifies the tile [i0, i1) x [j0, j1) of batch b, head h.
-  TileVisibility classify(Index b, Index /*h*/, Index i0, Index i1, Index j0, Index j1) const {
+  /// Classifies the tile [i0, i1) x [j0, j1) of batch b, head h: the one tile classifier of
+  /// every kernel. The rules (causal, window, lengths, sink tokens) give their class from
+  /// each row's key intervals, a block mask from its blocks; the tile is hidden when either
+  /// hides it, visible when both see all of it and no keep-mask or unclassified mask_mod
+  /// could hide a pair.
+  TileVisibility classify(Index b, Index h, Index i0, Index i1, Index j0, Index j1) const {
+    // The block mask first: it answers in O(blocks), the rules in O(rows).
+    const TileVisibility blocks =
+        block_mask_.empty() ? TileVisibility::partial : block_mask_.classify(b, h, i0, i1, j0, j1);
+    if (blocks == TileVisibility::hidden)
+      return blocks;
+    const TileVisibility rules = classify_by_rules(b, i0, i1, j0, j1);
+    if (rules == TileVisibility::hidden || !has_mask_mod())
+      return rules;
+    return rules == TileVisibility::visible && blocks == TileVisibility::visible
+               ? TileVisibility::visible
+               : TileVisibility::partial;
+  }
+
+  /// The class of the tile for the query heads [h0, h1) together (decoding's groups):
+  /// hidden when hidden for every head, visible when visible for every head.
+  TileVisibility classify_heads(Index b, Index h0, Index h1, Index i0, Index i1, Index j0,
+                                Index j1) const {
+    if (!has_mask_mod() || block_mask_.empty() || block_mask_.heads() == 1)  // one class
+      return classify(b, h0, i0, i1, j0, j1);
+    bool any_shown = false, all_visible = true;
+    for (Index h = h0; h < h1; ++h) {
+      const TileVisibility c = classify(b, h, i0, i1, j0, j1);
+      any_shown = any_shown || c != TileVisibility::hidden;
+      all_visible = all_visible && c == TileVisibility::visible;
+    }
+    if (!any_shown)
+      return TileVisibility::hidden;
+    return all_visible ? TileVisibility::visible : TileVisibility::partial;
+  }
+
+  /// Applies the mask to a block of scores for queries [i0, i0 + rows) and keys
+  /// [j0, j0 + cols) of batch b, head h: the score_mod first (on every entry), then hidden
+  /// entries become -inf and the others are soft-capped and get the ALiBi term and the bias;
+  /// then the keep-mask and the mask_mod hide theirs. `visibility` is the block's class: on
+  /// a visible block the mask_mod is not evaluated. NaN scores of visible keys stay NaN.
+  template <class Derived>
+  void apply(Index b, Index h, Index i0, Index j0, Eigen::MatrixBase<Derived>& scores,
+             TileVisibility visibility = TileVisibility::partial) const {
+    constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+    const Index cols = scores.cols();
+    const auto tile = [&] {
+      auto& m = scores.derived();
+      return ScoreTile<T>{m.data(), m.rows(), m.cols(), m.rowStride(), m.colStride(), b, h, i0, j0};
+    };
+    if (has_score_mod())
+      score_mod_.apply(tile());
+    for (Index r = 0; r < scores.rows(); ++r) {
+      const Index i = i0 + r;
+      const KeyIntervals keys = key_intervals(b, i);
+      Index hidden_from = 0;  // the columns before each interval are hidden
+      for (std::size_t n = 0; n <= keys.count; ++n) {
+        const Index lo =
+            n < keys.count ? std::clamp(keys.interval[n][0] - j0, Index(0), cols) : cols;
+        const Index hi = n < keys.count ? std::clamp(keys.interval[n][1] - j0, lo, cols) : cols;
+        for (Index c = hidden_from; c < lo; ++c)
+          scores(r, c) = minus_inf;
+        hidden_from = hi;
+        if (n < keys.count)
+          modify_scores(b, h, i, j0, lo, hi, scores.row(r));
+      }
+    }
+    if (has_mask_mod() && visibility != TileVisibility::visible)
+      mask_mod_.hide(tile());
+  }
+
+ private:
+  /// The class of a tile by the causal limit, the window, the lengths, the sink tokens and
+  /// (which can only make it partial) the keep-mask.
+  TileVisibility classify_by_rules(Index b, Index i0, Index i1, Index j0, Index j1) const {
+    if (i0 >= i1 || j0 >= j1)
+      return TileVisibility::hidden;
+    if (!has_interval_rules())
+      return has_keep_mask() ? TileVisibility::partial : TileVisibility::visible;
     bool any_visible = false;
     bool all_visible = true;
     for (Index i = i0; i < i1; ++i) {
@@ -318,31 +411,12 @@ class Mask {
     return all_visible && !has_keep_mask() ? TileVisibility::visible : TileVisibility::partial;
   }
 
-  /// Applies the mask to a block of scores for queries [i0, i0 + rows) and keys
-  /// [j0, j0 + cols) of batch b, head h: hidden entries become -inf; the others are
-  /// soft-capped, then get the ALiBi term and the bias. NaN scores of visible keys stay NaN.
-  template <class Derived>
-  void apply(Index b, Index h, Index i0, Index j0, Eigen::MatrixBase<Derived>& scores) const {
-    constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-    const Index cols = scores.cols();
-    for (Index r = 0; r < scores.rows(); ++r) {
-      const Index i = i0 + r;
-      const KeyIntervals keys = key_intervals(b, i);
-      Index hidden_from = 0;  // the columns before each interval are hidden
-      for (std::size_t n = 0; n <= keys.count; ++n) {
-        const Index lo =
-            n < keys.count ? std::clamp(keys.interval[n][0] - j0, Index(0), cols) : cols;
-        const Index hi = n < keys.count ? std::clamp(keys.interval[n][1] - j0, lo, cols) : cols;
-        for (Index c = hidden_from; c < lo; ++c)
-          scores(r, c) = minus_inf;
-        hidden_from = hi;
-        if (n < keys.count)
-          modify_scores(b, h, i, j0, lo, hi, scores.row(r));
-      }
-    }
+  /// Whether some rule narrows a row's visible keys to less than [0, Lk).
+  bool has_interval_rules() const {
+    return causal_ != Causal::none || window_.left >= 0 || window_.right >= 0 ||
+           !key_lengths_.empty() || !query_lengths_.empty();
   }
 
- private:
   static MaskOptions<T> options_of(Causal causal, Window window,
                                    const std::vector<Index>& key_lengths, Broadcast<bool> keep_mask,
                                    Broadcast<T> bias, const std::vector<T>& alibi_slopes,
@@ -384,6 +458,26 @@ class Mask {
         if (!keep(b, h, i, j0 + c))
           row(c) = minus_inf;
       }
+    }
+  }
+
+  void check_block_mask(const char* function, const MaskOptions<T>& options) const {
+    const BlockMask& m = options.block_mask;
+    if (m.empty())
+      return;
+    if (options.mask_mod) {
+      detail::throw_invalid_argument(function,
+                                     "both mask_mod and block_mask are given: give one (a block "
+                                     "mask carries the mask_mod it was built from)");
+    }
+    if ((m.batch() != 1 && m.batch() != batch_) || (m.heads() != 1 && m.heads() != heads_) ||
+        m.q_length() != q_length_ || m.k_length() != k_length_) {
+      detail::throw_invalid_argument(
+          function, "block_mask was built for " +
+                        detail::shape_string({m.batch(), m.heads(), m.q_length(), m.k_length()}) +
+                        " but the scores are " +
+                        detail::shape_string({batch_, heads_, q_length_, k_length_}) +
+                        ": B and H must be 1 or equal, Lq and Lk equal");
     }
   }
 
@@ -460,6 +554,9 @@ class Mask {
   std::optional<T> softcap_;
   std::vector<T> sinks_;  // (H) or empty
   Dropout<T> dropout_;
+  ScoreMod<T> score_mod_;
+  MaskMod mask_mod_;
+  BlockMask block_mask_;
   std::array<Index, 4> keep_strides_{}, bias_strides_{};
 };
 

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <string>
 #include <type_traits>
 
@@ -181,12 +182,22 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
   return plan;
 }
 
+/// The tiles (query rows, keys) `options` ask for: their own, else a block mask's blocks
+/// (so that no tile straddles two blocks of different classes), else 0 = the default.
+template <class T>
+std::array<Index, 2> requested_tiles(const AttentionOptions<T>& options) {
+  const BlockMask& blocks = options.block_mask;
+  return {options.query_tile != 0 || blocks.empty() ? options.query_tile : blocks.q_block(),
+          options.key_tile != 0 || blocks.empty() ? options.key_tile : blocks.k_block()};
+}
+
 /// The plan for `shape` and `options` (the algorithm and tiles they ask for).
 template <class T>
 KernelPlan plan_attention(const AttentionShape& shape, const AttentionOptions<T>& options,
-                          bool wants_weights = false) {
-  return plan_attention<T>(shape, options.algorithm, options.query_tile, options.key_tile,
-                           wants_weights, options.dropout_p > T(0));
+                          bool wants_weights = false, const char* function = "plan_attention") {
+  const auto [query_tile, key_tile] = requested_tiles(options);
+  return plan_attention<T>(shape, options.algorithm, query_tile, key_tile, wants_weights,
+                           options.dropout_p > T(0), function);
 }
 
 }  // namespace attn

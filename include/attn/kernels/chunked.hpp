@@ -60,8 +60,8 @@ void chunked_attention_block(const HeadMatrix<const T>& q,  // (rows, D)  querie
 
   s.noalias() = scale * (q * k.middleRows(first, cols).transpose());  // pass 1
   if (visibility == TileVisibility::partial || mask.modifies_scores())
-    mask.apply(b, h, i0, first, s);   // 2
-  for (Index r = 0; r < rows; ++r) {  // pass 3
+    mask.apply(b, h, i0, first, s, visibility);  // 2
+  for (Index r = 0; r < rows; ++r) {             // pass 3
     const T lse = softmax_in_place(s.row(r).data(), cols, mask.sink(h));
     if (logsumexp != nullptr)
       logsumexp[r] = lse;

@@ -149,12 +149,12 @@ struct BackwardKernels {
                    Index rows, Index j0, Index keys, Index width, T* s, Index stride) {
     constexpr T minus_inf = -std::numeric_limits<T>::infinity();
     const bool masked = visibility == TileVisibility::partial || mask.modifies_scores();
-    const bool elementwise = mask.has_keep_mask() || mask.modifies_scores() ||
+    const bool elementwise = mask.has_elementwise_mask() || mask.modifies_scores() ||
                              (mask.has_sink_tokens() && j0 < mask.sink_tokens());
     if (masked && elementwise) {
       Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> view(s, rows, keys,
                                                           Eigen::OuterStride<>(stride));
-      mask.apply(b, h, i0, j0, view);
+      mask.apply(b, h, i0, j0, view, visibility);
     } else if (masked) {  // one interval per row
       for (Index r = 0; r < rows; ++r) {
         const auto [first, last] = mask.key_interval(b, i0 + r);

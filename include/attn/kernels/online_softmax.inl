@@ -183,13 +183,13 @@ struct Kernels {
                masked ? nullptr : tile_max);
         // Element by element for a keep-mask, changed scores, or sink tokens in the tile (a
         // row's visible keys are then two intervals); else one interval per row.
-        const bool elementwise = mask.has_keep_mask() || mask.modifies_scores() ||
+        const bool elementwise = mask.has_elementwise_mask() || mask.modifies_scores() ||
                                  (mask.has_sink_tokens() && j0 < mask.sink_tokens());
         if (masked && elementwise) {
           // the element-wise mask on (rows, cols) of scores, a column-major view of st
           Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>>
               scores_view(st, rows, cols, Eigen::OuterStride<>(stride));
-          mask.apply(b, h, i0, j0, scores_view);
+          mask.apply(b, h, i0, j0, scores_view, visibility);
           column_maxima(st, stride, cols, width, tile_max);
         } else if (masked) {  // only intervals (the diagonal tiles of a causal mask)
           std::int32_t* lo = workspace.key_lo.data();
@@ -252,7 +252,8 @@ struct Kernels {
     const Index first_head = kv_head * group;
     const auto [keys_first, keys_last] = mask.key_range(b, 0, q_length);
     const Index lo = std::max(j0, keys_first), hi = std::min(j1, keys_last);
-    if (lo >= hi || mask.classify(b, first_head, 0, q_length, lo, hi) == TileVisibility::hidden)
+    if (lo >= hi || mask.classify_heads(b, first_head, first_head + group, 0, q_length, lo, hi) ==
+                        TileVisibility::hidden)
       return;
 
     T* q_tile = workspace.q.data();  // pass 1: (rows, D)
@@ -270,7 +271,8 @@ struct Kernels {
     bool first_block = true;
     for (Index c0 = lo; c0 < hi; c0 += key_block) {  // pass 2
       const Index c1 = std::min(c0 + key_block, hi), cols = c1 - c0;
-      const TileVisibility visibility = mask.classify(b, first_head, 0, q_length, c0, c1);
+      const TileVisibility visibility =
+          mask.classify_heads(b, first_head, first_head + group, 0, q_length, c0, c1);
       if (visibility == TileVisibility::hidden)
         continue;
       const S* k_rows = k.head(b, kv_head).row(c0).data();
@@ -288,7 +290,7 @@ struct Kernels {
         for (Index g = 0; g < group; ++g) {
           Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> head_rows(
               s + g * q_length * s_stride, q_length, cols, Eigen::OuterStride<>(s_stride));
-          mask.apply(b, first_head + g, 0, c0, head_rows);
+          mask.apply(b, first_head + g, 0, c0, head_rows, visibility);
         }
       }
       row_maxima(s, s_stride, rows, cols, workspace.tile_max.data());
