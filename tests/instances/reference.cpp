@@ -36,6 +36,8 @@ Result<R> attention(const Problem& p, const std::vector<long double>& q,
                    real(k[static_cast<std::size_t>((kv * p.k_length + j) * p.dim + d)]);
           }
           R x = round(rounding.scores, scale * dot);
+          if (p.score_mod)
+            x = static_cast<R>(p.score_mod(static_cast<long double>(x), b, h, i, j));
           if (p.softcap) {
             const R cap = static_cast<R>(*p.softcap);
             x = cap * std::tanh(x / cap);

@@ -60,6 +60,11 @@ struct Problem {
   std::vector<long double> sinks;  ///< (Hq) learned sink logits, or empty
   long double dropout_p = 0;       ///< docs/training.md's dropout rule; 0 = none
   std::uint64_t dropout_seed = 0;
+  /// FlexAttention's mask_mod (b, h, q_idx, kv_idx) -> visible, or empty (docs/mods.md)
+  std::function<bool(Index, Index, Index, Index)> mask_mod;
+  /// FlexAttention's score_mod (score, b, h, q_idx, kv_idx) -> score, in long double, applied
+  /// to the scaled score before softcap, ALiBi and the bias; or empty
+  std::function<long double(long double, Index, Index, Index, Index)> score_mod;
 
   Index keys_of(Index b) const {
     return key_lengths.empty() ? k_length : key_lengths[static_cast<std::size_t>(b)];
@@ -86,7 +91,7 @@ struct Problem {
       return false;
     if (!sink_token && window_right >= 0 && j > c + window_right)
       return false;
-    return keep.empty() || keep.at(b, h, i, j);
+    return (keep.empty() || keep.at(b, h, i, j)) && (!mask_mod || mask_mod(b, h, i, j));
   }
 
   /// The dropout factor of weight (b, h, i, j), from docs/training.md's rule: 0 when the
@@ -135,7 +140,8 @@ struct Result {
 
 /// Attention with every operation in R (long double, double or float), on inputs given
 /// exactly as long double.
-///   s_j  = softcap * tanh(scale q.k_j / softcap) - slope_h |c(i) - j| + bias   (visible j)
+///   s_j  = softcap * tanh(x_j / softcap) - slope_h |c(i) - j| + bias   (visible j)
+///   x_j  = score_mod(scale q.k_j, b, h, i, j)   (scale q.k_j without a score_mod)
 ///   out  = sum_j exp(s_j - m) v_j / sum_j exp(s_j - m),  m = max_j s_j
 ///   lse  = m + log sum_j exp(s_j - m)
 /// With a sink logit z_h (gpt-oss), z_h joins the softmax and its column is dropped:
