@@ -182,13 +182,21 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
   return plan;
 }
 
+/// Flash tiles follow a block mask's blocks, grouped to at least this many rows or keys.
+inline constexpr Index smallest_block_tile = 64;
+
 /// The tiles (query rows, keys) `options` ask for: their own, else a block mask's blocks
-/// (so that no tile straddles two blocks of different classes), else 0 = the default.
+/// (blocks of fewer than smallest_block_tile grouped), so that a tile never cuts a block and
+/// takes as few blocks of different classes as it can; else 0 = the default.
 template <class T>
 std::array<Index, 2> requested_tiles(const AttentionOptions<T>& options) {
   const BlockMask& blocks = options.block_mask;
-  return {options.query_tile != 0 || blocks.empty() ? options.query_tile : blocks.q_block(),
-          options.key_tile != 0 || blocks.empty() ? options.key_tile : blocks.k_block()};
+  const auto grouped = [](Index block) {
+    return block * ((smallest_block_tile + block - 1) / block);
+  };
+  return {
+      options.query_tile != 0 || blocks.empty() ? options.query_tile : grouped(blocks.q_block()),
+      options.key_tile != 0 || blocks.empty() ? options.key_tile : grouped(blocks.k_block())};
 }
 
 /// The plan for `shape` and `options` (the algorithm and tiles they ask for).
