@@ -14,6 +14,12 @@
 //                                table bias by relative position (T5's, 32 buckets);
 //                                2: ALiBi as a score_mod; 3: the option alibi_slopes
 //   block_mask/L:<L>             building the causal BlockMask (128 x 128 blocks) once
+//   tile_loop/<mod>/<loop>       one 128 x 256 column-major tile of scores through a mod
+//                                (mod 0: T5's table bias, 1: ALiBi), items = scores. loop 0:
+//                                ScoreMod::apply, the loop of the active instruction set;
+//                                1: the same, forced generic; 2: a plain loop compiled
+//                                with this file's flags (the callable inlined); 3: one
+//                                std::function call per score
 // FLOPS counts the visible pairs' two products (4 D per pair), so forms compare directly.
 //
 //   build/dev/bench/bench_mods --benchmark_filter=document
@@ -21,11 +27,14 @@
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <attn/attention.hpp>
 #include <attn/block_mask.hpp>
+#include <attn/cpu.hpp>
 #include <attn/mod_gallery.hpp>
 
 #include "common.hpp"
@@ -165,6 +174,50 @@ void BM_block_mask(benchmark::State& state) {
   }
 }
 
+void BM_tile_loop(benchmark::State& state) {
+  const int mod = static_cast<int>(state.range(0)), loop = static_cast<int>(state.range(1));
+  const Index rows = 128, cols = 256, heads = 8, length = 4096;
+  std::vector<float> table(static_cast<std::size_t>(32 * heads));
+  attn_bench::fill_normal(table, 5u);
+  const auto t5 = attn::gallery::t5_relative_bias<float>(table, heads, length, true);
+  const auto alibi = attn::gallery::alibi<float>(attn::alibi_slopes<float>(heads));
+  const std::function<float(float, Index, Index, Index, Index)> f =
+      mod == 0 ? std::function<float(float, Index, Index, Index, Index)>(t5)
+               : std::function<float(float, Index, Index, Index, Index)>(alibi);
+  const attn::ScoreMod<float> score_mod =
+      mod == 0 ? attn::ScoreMod<float>(t5) : attn::ScoreMod<float>(alibi);
+  std::vector<float> scores(static_cast<std::size_t>(rows * cols));
+  attn_bench::fill_normal(scores, 6u);
+  std::optional<attn::ScopedIsa> forced;
+  if (loop == 1)
+    forced.emplace(attn::Isa::generic);
+  Index step = 0;
+  const auto plain = [&](const auto& g, Index h, Index i0, Index j0) {
+    for (Index c = 0; c < cols; ++c) {
+      float* column = scores.data() + c * rows;
+      for (Index r = 0; r < rows; ++r)
+        column[r] = g(column[r], 0, h, i0 + r, j0 + c);
+    }
+  };
+  for (auto _ : state) {
+    const Index h = step % heads, i0 = 1024 + (step % 5) * 128, j0 = 1024 + (step % 7) * 64;
+    ++step;
+    if (loop <= 1) {
+      score_mod.apply(attn::ScoreTile<float>{scores.data(), rows, cols, 1, rows, 0, h, i0, j0});
+    } else if (loop == 2) {
+      if (mod == 0)
+        plain(t5, h, i0, j0);
+      else
+        plain(alibi, h, i0, j0);
+    } else {
+      plain(f, h, i0, j0);
+    }
+    benchmark::DoNotOptimize(scores.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()) * rows * cols);
+}
+
 void register_all() {
   attn_bench::register_fma_peak();
   const std::int64_t l = smoke() ? 256 : 4096;
@@ -184,6 +237,9 @@ void register_all() {
       ->ArgsProduct({{0, 1, 2, 3}, {smoke() ? 256 : 2048}})
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime();
+  benchmark::RegisterBenchmark("tile_loop", BM_tile_loop)
+      ->ArgNames({"mod", "loop"})
+      ->ArgsProduct({{0, 1}, {0, 1, 2, 3}});
   benchmark::RegisterBenchmark("block_mask", BM_block_mask)
       ->ArgNames({"L"})
       ->Args({smoke() ? 256 : 8192})

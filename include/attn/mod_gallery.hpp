@@ -3,10 +3,14 @@
 // MaskMod or ScoreMod<T>), so that combining two of them with all_of / any_of keeps both
 // inlined in the kernels' tile loops. Indices are positions within the sequence: q_idx of
 // the query, kv_idx of the key (docs/mods.md shows each against the option it replaces).
+// Each callable owns its tables through a shared pointer and reads them through a plain
+// pointer it also captures: GCC vectorises a tile loop through that one indirection, not
+// through a shared_ptr's and a vector's.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -35,28 +39,27 @@ inline auto sliding_window(Index left, Index right, Index offset = 0) {
 /// Prefix-LM (T5, UniLM): the first prefix_lengths[b] keys of sequence b are visible to every
 /// query (bidirectional), the rest causally.
 inline auto prefix_lm(std::vector<Index> prefix_lengths) {
-  auto prefix = std::make_shared<const std::vector<Index>>(std::move(prefix_lengths));
-  return [prefix](Index b, Index, Index q_idx, Index kv_idx) {
-    return kv_idx <= q_idx || kv_idx < (*prefix)[static_cast<std::size_t>(b)];
+  auto owner = std::make_shared<const std::vector<Index>>(std::move(prefix_lengths));
+  return [owner, prefix = owner->data()](Index b, Index, Index q_idx, Index kv_idx) {
+    return kv_idx <= q_idx || kv_idx < prefix[b];
   };
 }
 
 /// Documents packed into one sequence: a query sees the keys of its own document,
 /// document_ids[position] (one id per position, queries and keys alike).
 inline auto document(std::vector<Index> document_ids) {
-  auto ids = std::make_shared<const std::vector<Index>>(std::move(document_ids));
-  return [ids](Index, Index, Index q_idx, Index kv_idx) {
-    return (*ids)[static_cast<std::size_t>(q_idx)] == (*ids)[static_cast<std::size_t>(kv_idx)];
+  auto owner = std::make_shared<const std::vector<Index>>(std::move(document_ids));
+  return [owner, ids = owner->data()](Index, Index, Index q_idx, Index kv_idx) {
+    return ids[q_idx] == ids[kv_idx];
   };
 }
 
 /// Longformer: a sliding window of `radius` keys each side, plus global tokens that see
 /// every key and are seen by every query (global[position], queries and keys alike).
 inline auto global_and_window(Index radius, std::vector<bool> global) {
-  auto g = std::make_shared<const std::vector<bool>>(std::move(global));
-  return [radius, g](Index, Index, Index q_idx, Index kv_idx) {
-    return std::abs(q_idx - kv_idx) <= radius || (*g)[static_cast<std::size_t>(q_idx)] ||
-           (*g)[static_cast<std::size_t>(kv_idx)];
+  auto owner = std::make_shared<const std::vector<char>>(global.begin(), global.end());
+  return [owner, g = owner->data(), radius](Index, Index, Index q_idx, Index kv_idx) {
+    return std::abs(q_idx - kv_idx) <= radius || g[q_idx] != 0 || g[kv_idx] != 0;
   };
 }
 
@@ -80,10 +83,12 @@ auto any_of(Masks... masks) {
 /// alibi_slopes, whose diagonal offset is 0 for Causal::top_left and Lk - Lq otherwise).
 template <class T>
 auto alibi(std::vector<T> slopes, Index offset = 0) {
-  auto s = std::make_shared<const std::vector<T>>(std::move(slopes));
-  return [s, offset](T score, Index, Index h, Index q_idx, Index kv_idx) {
-    return score -
-           (*s)[static_cast<std::size_t>(h)] * static_cast<T>(std::abs(q_idx + offset - kv_idx));
+  auto owner = std::make_shared<const std::vector<T>>(std::move(slopes));
+  // The distance through int32 and its absolute value in T: 64-bit integers become vectors
+  // of floats only with AVX-512DQ, 32-bit ones with every instruction set.
+  return [owner, s = owner->data(), offset](T score, Index, Index h, Index q_idx, Index kv_idx) {
+    const auto distance = static_cast<std::int32_t>(q_idx + offset - kv_idx);
+    return score - s[h] * std::abs(static_cast<T>(distance));
   };
 }
 
@@ -147,10 +152,11 @@ auto t5_relative_bias(std::vector<T> table, Index heads, Index max_length, bool 
           table[static_cast<std::size_t>(bucket * heads + h)];
     }
   }
-  const std::shared_ptr<const std::vector<T>> shared = std::move(bias);
+  const std::shared_ptr<const std::vector<T>> owner = std::move(bias);
   const Index origin = max_length - 1;
-  return [shared, span, origin](T score, Index, Index h, Index q_idx, Index kv_idx) {
-    return score + (*shared)[static_cast<std::size_t>(h * span + kv_idx - q_idx + origin)];
+  return [owner, values = owner->data(), span, origin](T score, Index, Index h, Index q_idx,
+                                                       Index kv_idx) {
+    return score + values[h * span + kv_idx - q_idx + origin];
   };
 }
 

@@ -4,7 +4,10 @@
 //
 // The callable is inlined here, so the loop vectorises when the callable can be vectorised
 // (arithmetic, table look-ups along the tile's contiguous direction); ATTN_VECTORIZED_LOOP
-// asks GCC for that in -O2 builds too, whose cheap cost model would not.
+// asks GCC for that in -O2 builds too, whose cheap cost model would not. The scores are
+// restrict-qualified: a callable reads its own tables, never the tile (so the compiler may
+// keep a per-head value such as an ALiBi slope in a register instead of reloading it after
+// every store).
 
 /// data[at] = f(data[at], b, h, q_idx, kv_idx) over the tile, the contiguous direction inside.
 template <class F, class T>
@@ -14,14 +17,14 @@ ATTN_VECTORIZED_LOOP void score_tile(const void* callable, const ScoreTile<T>& t
   const Index b = t.b, h = t.h, i0 = t.i0, j0 = t.j0;
   if (t.row_stride == 1 && t.col_stride != 1) {
     for (Index c = 0; c < t.cols; ++c) {
-      T* column = data + c * t.col_stride;
+      T* __restrict column = data + c * t.col_stride;
       const Index kv_idx = j0 + c;
       for (Index r = 0; r < t.rows; ++r)
         column[r] = static_cast<T>(f(column[r], b, h, i0 + r, kv_idx));
     }
   } else {
     for (Index r = 0; r < t.rows; ++r) {
-      T* row = data + r * t.row_stride;
+      T* __restrict row = data + r * t.row_stride;
       const Index q_idx = i0 + r;
       for (Index c = 0; c < t.cols; ++c)
         row[c * t.col_stride] = static_cast<T>(f(row[c * t.col_stride], b, h, q_idx, j0 + c));
@@ -38,14 +41,14 @@ ATTN_VECTORIZED_LOOP void hide_tile(const void* callable, const ScoreTile<T>& t)
   const Index b = t.b, h = t.h, i0 = t.i0, j0 = t.j0;
   if (t.row_stride == 1 && t.col_stride != 1) {
     for (Index c = 0; c < t.cols; ++c) {
-      T* column = data + c * t.col_stride;
+      T* __restrict column = data + c * t.col_stride;
       const Index kv_idx = j0 + c;
       for (Index r = 0; r < t.rows; ++r)
         column[r] = f(b, h, i0 + r, kv_idx) ? column[r] : minus_inf;
     }
   } else {
     for (Index r = 0; r < t.rows; ++r) {
-      T* row = data + r * t.row_stride;
+      T* __restrict row = data + r * t.row_stride;
       const Index q_idx = i0 + r;
       for (Index c = 0; c < t.cols; ++c)
         row[c * t.col_stride] = f(b, h, q_idx, j0 + c) ? row[c * t.col_stride] : minus_inf;
