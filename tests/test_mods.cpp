@@ -109,9 +109,9 @@ TEMPLATE_TEST_CASE("gallery mods equal the torch fixtures and the built-in optio
     bool has_builtin = false;
   };
   const auto mask_variant = [&](MaskMod m) {
-    Variant v;
-    v.mod.mask_mod = std::move(m);
-    return v;
+    Variant variant;
+    variant.mod.mask_mod = std::move(m);
+    return variant;
   };
   std::map<std::string, Variant> variants;
   variants["causal"] = mask_variant(MaskMod(attn::gallery::causal()));

@@ -63,19 +63,20 @@ inline auto global_and_window(Index radius, std::vector<bool> global) {
   };
 }
 
-/// The pair is visible when every mask_mod says so.
+/// The pair is visible when every mask_mod says so. Every mask_mod is evaluated (no
+/// short circuit: a branch-free loop vectorises).
 template <class... Masks>
 auto all_of(Masks... masks) {
   return [masks...](Index b, Index h, Index q_idx, Index kv_idx) {
-    return (masks(b, h, q_idx, kv_idx) && ...);
+    return (static_cast<int>(masks(b, h, q_idx, kv_idx)) & ...) != 0;
   };
 }
 
-/// The pair is visible when some mask_mod says so.
+/// The pair is visible when some mask_mod says so; every one is evaluated.
 template <class... Masks>
 auto any_of(Masks... masks) {
   return [masks...](Index b, Index h, Index q_idx, Index kv_idx) {
-    return (masks(b, h, q_idx, kv_idx) || ...);
+    return (static_cast<int>(masks(b, h, q_idx, kv_idx)) | ...) != 0;
   };
 }
 

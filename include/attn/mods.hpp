@@ -118,7 +118,8 @@ class MaskMod {
     const Index visible = count_.active()(callable_.get(), b, h, i0, i1, j0, j1);
     if (visible == 0)
       return TileVisibility::hidden;
-    return visible == (i1 - i0) * (j1 - j0) ? TileVisibility::visible : TileVisibility::partial;
+    return visible == (i1 - i0) * (j1 - j0) ? TileVisibility::visible
+                                            : TileVisibility::partial;  // -1: mixed
   }
 
  private:
