@@ -30,6 +30,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -185,6 +186,7 @@ class Mask {
     check_lengths(function, "query_lengths", query_lengths_, "Lq", q_length);
     keep_strides_ = broadcast_strides(function, "keep_mask", keep_mask_);
     bias_strides_ = broadcast_strides(function, "bias", bias_);
+    make_modifier_mods();
   }
 
   /// The same from the parts of a mask without per-sequence query lengths, sink tokens or
@@ -351,10 +353,11 @@ class Mask {
   }
 
   /// Applies the mask to a block of scores for queries [i0, i0 + rows) and keys
-  /// [j0, j0 + cols) of batch b, head h: the score_mod first (on every entry), then hidden
-  /// entries become -inf and the others are soft-capped and get the ALiBi term and the bias;
-  /// then the keep-mask and the mask_mod hide theirs. `visibility` is the block's class: on
-  /// a visible block the mask_mod is not evaluated. NaN scores of visible keys stay NaN.
+  /// [j0, j0 + cols) of batch b, head h: every entry gets the score_mod, softcap, the ALiBi
+  /// term and the bias, in that order; then what the rules, the keep-mask and the mask_mod
+  /// hide becomes -inf. `visibility` is the block's class: on a visible block nothing is
+  /// hidden, so neither the rules nor the mask_mod are evaluated. NaN scores of visible keys
+  /// stay NaN.
   template <class Derived>
   void apply(Index b, Index h, Index i0, Index j0, Eigen::MatrixBase<Derived>& scores,
              TileVisibility visibility = TileVisibility::partial) const {
@@ -364,8 +367,14 @@ class Mask {
       auto& m = scores.derived();
       return ScoreTile<T>{m.data(), m.rows(), m.cols(), m.rowStride(), m.colStride(), b, h, i0, j0};
     };
-    if (has_score_mod())
-      score_mod_.apply(tile());
+    // The score modifiers on every entry of the tile, in the vectorised tile loops of mods
+    // (attn/mods.hpp); what is hidden below is overwritten, whatever they made of it.
+    for (const ScoreMod<T>* mod : {&score_mod_, &softcap_mod_, &alibi_mod_, &bias_mod_}) {
+      if (*mod)
+        mod->apply(tile());
+    }
+    if (visibility == TileVisibility::visible)
+      return;  // nothing in the tile is hidden
     for (Index r = 0; r < scores.rows(); ++r) {
       const Index i = i0 + r;
       const KeyIntervals keys = key_intervals(b, i);
@@ -377,11 +386,17 @@ class Mask {
         for (Index c = hidden_from; c < lo; ++c)
           scores(r, c) = minus_inf;
         hidden_from = hi;
-        if (n < keys.count)
-          modify_scores(b, h, i, j0, lo, hi, scores.row(r));
+        // After the bias: a key the keep-mask hides is excluded whatever its bias or score
+        // (before, -inf + a bias of +inf or NaN made the row NaN).
+        if (n < keys.count && has_keep_mask()) {
+          for (Index c = lo; c < hi; ++c) {
+            if (!keep(b, h, i, j0 + c))
+              scores(r, c) = minus_inf;
+          }
+        }
       }
     }
-    if (has_mask_mod() && visibility != TileVisibility::visible)
+    if (has_mask_mod())
       mask_mod_.hide(tile());
   }
 
@@ -432,32 +447,34 @@ class Mask {
     return o;
   }
 
-  /// softcap, then ALiBi, then the bias, then the keep-mask on columns [lo, hi) of one row.
-  template <class Row>
-  void modify_scores(Index b, Index h, Index i, Index j0, Index lo, Index hi, Row&& row) const {
-    constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  /// Softcap, ALiBi and the bias as score mods, so that they run in the mods' vectorised
+  /// tile loops. Each owns what it reads (a copied Mask stays valid) but the bias, which is
+  /// the caller's for the duration of the call.
+  void make_modifier_mods() {
     if (softcap_) {
       const T cap = *softcap_, inverse = T(1) / *softcap_;
-      for (Index c = lo; c < hi; ++c)
-        row(c) = cap * std::tanh(row(c) * inverse);
+      softcap_mod_ = ScoreMod<T>(
+          [cap, inverse](T s, Index, Index, Index, Index) { return cap * std::tanh(s * inverse); });
     }
     if (!alibi_slopes_.empty()) {
-      const T slope = alibi_slopes_[static_cast<std::size_t>(h)];
-      const Index c_i = diagonal(b, i);
-      for (Index c = lo; c < hi; ++c)
-        row(c) -= slope * static_cast<T>(std::abs(c_i - (j0 + c)));
+      // The diagonal c_b(i) = i + offset_b; the distance through int32 vectorises.
+      auto offsets = std::make_shared<std::vector<Index>>(static_cast<std::size_t>(batch_));
+      for (Index b = 0; b < batch_; ++b)
+        (*offsets)[static_cast<std::size_t>(b)] = diagonal(b, 0);
+      auto slopes = std::make_shared<const std::vector<T>>(alibi_slopes_);
+      alibi_mod_ = ScoreMod<T>([offsets, slopes, offset = offsets->data(), slope = slopes->data()](
+                                   T s, Index b, Index h, Index i, Index j) {
+        const auto distance = static_cast<std::int32_t>(i + offset[b] - j);
+        return s - slope[h] * std::abs(static_cast<T>(distance));
+      });
     }
     if (has_bias()) {
-      for (Index c = lo; c < hi; ++c)
-        row(c) += bias(b, h, i, j0 + c);
-    }
-    // After the bias: a key the keep-mask hides is excluded whatever its bias or score
-    // (before, -inf + a bias of +inf or NaN made the row NaN).
-    if (has_keep_mask()) {
-      for (Index c = lo; c < hi; ++c) {
-        if (!keep(b, h, i, j0 + c))
-          row(c) = minus_inf;
-      }
+      const T* data = bias_.data();
+      const auto [sb, sh, si, sj] = bias_strides_;
+      bias_mod_ = ScoreMod<T>(
+          [data, sb = sb, sh = sh, si = si, sj = sj](T s, Index b, Index h, Index i, Index j) {
+            return s + data[b * sb + h * sh + i * si + j * sj];
+          });
     }
   }
 
@@ -555,6 +572,7 @@ class Mask {
   std::vector<T> sinks_;  // (H) or empty
   Dropout<T> dropout_;
   ScoreMod<T> score_mod_;
+  ScoreMod<T> softcap_mod_, alibi_mod_, bias_mod_;  // the options, as mods (make_modifier_mods)
   MaskMod mask_mod_;
   BlockMask block_mask_;
   std::array<Index, 4> keep_strides_{}, bias_strides_{};
