@@ -141,6 +141,23 @@ TEMPLATE_TEST_CASE("gallery mods equal the torch fixtures and the built-in optio
     REQUIRE(variants.count(name) == 1);
     const Variant& variant = variants.at(name);
     const std::vector<T> expected = attn_test::values<T>(c.at("out"));
+    // The dense path: the mod written out as a keep-mask, or as a bias when it adds one.
+    Tensor<bool, 4> keep(batch, heads, length, length);
+    Tensor<T, 4> bias(batch, heads, length, length);
+    AttentionOptions<T> dense;
+    for (Index b = 0; b < batch; ++b)
+      for (Index h = 0; h < heads; ++h)
+        for (Index i = 0; i < length; ++i)
+          for (Index j = 0; j < length; ++j) {
+            keep(b, h, i, j) = !variant.mod.mask_mod || variant.mod.mask_mod(b, h, i, j);
+            bias(b, h, i, j) =
+                variant.mod.score_mod ? variant.mod.score_mod(T(0), b, h, i, j) : T(0);
+          }
+    if (variant.mod.mask_mod)
+      dense.keep_mask = keep;
+    const bool additive = name == "alibi" || name == "t5_bias";
+    if (additive)
+      dense.bias = bias;
     for (const bool blocks : {false, true}) {
       AttentionOptions<T> options = variant.mod;
       if (blocks && options.mask_mod) {  // the same mask_mod, classified in 8 x 16 blocks
@@ -151,6 +168,11 @@ TEMPLATE_TEST_CASE("gallery mods equal the torch fixtures and the built-in optio
         INFO(name << (blocks ? " with a block mask" : "") << ", " << name_of(algorithm));
         const auto [out, lse] = run(q, k, v, options, algorithm);
         REQUIRE_CLOSE(out, expected, attn_test::tolerance<T>());
+        if (variant.mod.mask_mod || additive) {
+          const auto [dense_out, dense_lse] = run(q, k, v, dense, algorithm);
+          REQUIRE_CLOSE(out, dense_out, attn_test::tolerance<T>());
+          REQUIRE_CLOSE(lse, dense_lse, attn_test::tolerance<T>());
+        }
         if (variant.has_builtin) {
           const auto [builtin_out, builtin_lse] = run(q, k, v, variant.builtin, algorithm);
           REQUIRE_CLOSE(out, builtin_out, attn_test::tolerance<T>());
