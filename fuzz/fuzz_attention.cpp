@@ -13,15 +13,33 @@
 //   through the packed entry point (scaled_dot_product_attention_varlen_into) on the same
 //   sequences, checked by the same rules.
 //
+//   Mods (attn/mods.hpp; header bit 32), with any of the above:
+//   - a mask_mod looking up a (B or 1, Hq or 1, Lq, Lk) table made of blocks each all
+//     visible, all hidden or random, given as options.mask_mod or as options.block_mask
+//     (blocks of 1 to 70, as the table's blocks or not, equal to the kernel tiles or not;
+//     flash then takes the blocks as its tiles unless the input sets tiles);
+//   - a score_mod s * f[h] + t[h][i - j], either term or both (t finite, sometimes -inf;
+//     sometimes NaN at one (b, h, i, j)), f and t per head or shared.
+//   The reference gets the same functions (Problem::mask_mod, score_mod, in long double).
+//   Packed calls get them with positions within each sequence, a block mask sized by the
+//   longest sequences. A mod called outside [0, B) x [0, Hq) x [0, Lq) x [0, Lk) (the
+//   longest sequences' Lq and Lk in a packed call) fails the input. Invalid arguments of
+//   their own: mask_mod and block_mask both given, a block mask of other sizes (padded and
+//   packed calls).
+//
 // Oracle (README, "Error contract"):
 //   - invalid argument: every kernel (and linear_attention, for the checks it shares) throws
-//     std::invalid_argument with the same message; otherwise nothing throws;
+//     std::invalid_argument with the same message (packed calls: the same as each other);
+//     otherwise nothing throws;
 //   - NaN reaches, in every kernel and in the reference: the whole row when a visible key's
 //     score is NaN or +inf (NaN in the query, the key or its bias); column e of a row that has
 //     a finite score when a visible key's v[j, e] is NaN. The other elements are compared
 //     when column e of the head's v holds no NaN; NaN only in the value rows of hidden keys
 //     (or of a fully masked row) is unspecified and not compared (naive and chunked multiply
-//     every value row by its weight, 0 x NaN = NaN; flash skips hidden tiles);
+//     every value row by its weight, 0 x NaN = NaN; flash skips hidden tiles). The score
+//     is the score_mod's: its NaN pair reaches the row when visible, its -inf acts as a
+//     -inf bias (with softcap it becomes -softcap, a finite score); hidden pairs' values of
+//     a score_mod are discarded;
 //   - error bound, per compared element, against the long double reference of
 //     tests/support/reference.hpp, which shares no code with attn (its own visibility rule,
 //     softmax and loops):  |kernel - ref| <= 2 |plain_T - ref| + floor + cond, where plain_T
@@ -29,14 +47,16 @@
 //       floor = (32 + 2 Lk) eps max(1, max|v|)       (tests/test_kernels.cpp's 2x-plain rule,
 //                                                      its floor widened for long rows)
 //       cond  = 2 max|v| min(1, 2 (D + 4) eps S)     (S = the largest |term| of a visible
-//                                                      logit: scale sum_d |q_d k_d|, ALiBi,
-//                                                      bias; logits rounded differently by
-//                                                      each kernel move the softmax by up to
-//                                                      2 max|ds| in l1)
+//                                                      logit: scale sum_d |q_d k_d| |f[h]|,
+//                                                      |t[h][i - j]|, ALiBi, bias; logits
+//                                                      rounded differently by each kernel
+//                                                      move the softmax by up to 2 max|ds|
+//                                                      in l1)
 //     and log-sum-exp within 64 eps max(|ref|, 1) + 2 (D + 4) eps S, -inf exactly where the
 //     reference has -inf;
 //   - the flash backward on every instruction set agrees with the naive backward (no NaN or
-//     large values; the bound is at check_backward);
+//     large values; mask_mod and block_mask included; the bound is at check_backward); with
+//     a score_mod, naive and flash backward throw std::invalid_argument;
 //   - linear_attention (elu + 1, causal or not, key_lengths, no NaN or large values) agrees
 //     with its quadratic form in R within (64 + 4 (D + Lk)) eps max(1, max|v|).
 #include <algorithm>
@@ -52,8 +72,10 @@
 
 #include <attn/attention.hpp>
 #include <attn/attention_backward.hpp>
+#include <attn/block_mask.hpp>
 #include <attn/cpu.hpp>
 #include <attn/linear_attention.hpp>
+#include <attn/mods.hpp>
 
 #include "support/instances.hpp"
 
@@ -127,8 +149,14 @@ enum class Invalid : int {
   sink_count,    // Hq + 1 sinks
   sink_value,    // a sink of NaN or inf
   sink_tokens,   // sink_tokens -1
+  mods_both,     // mask_mod and block_mask both given
+  block_shape,   // block_mask built for other sizes
   count
 };
+
+bool is_mod_invalid(Invalid e) {
+  return e == Invalid::mods_both || e == Invalid::block_shape;
+}
 
 /// Invalid arguments that linear_attention checks the same way.
 bool shared_with_linear(Invalid e) {
@@ -159,6 +187,51 @@ struct Problem {
   Index k_batch = 1, k_dim = 1, v_length = 1, out_dim = 1;
   bool linear = false;
   bool large = false, has_nan = false;
+
+  // FlexAttention's mods (attn/mods.hpp), given when the header has bit 32.
+  enum class MaskModUse : int { none, mask_mod, block_mask, both };
+  MaskModUse mask_use = MaskModUse::none;
+  std::array<Index, 4> mask_dims{0, 0, 0, 0};  // (B or 1, Hq or 1, Lq, Lk) of mask_table
+  std::vector<std::uint8_t> mask_table;        // 1 = visible, in blocks of structure_q x _k
+  Index structure_q = 1, structure_k = 1;
+  Index block_q = 1, block_k = 1;                 // the BlockMask's blocks
+  bool block_batch = false, block_heads = false;  // the BlockMask sized with B, Hq (else 1)
+  int wrong_block_dim = 0;                        // Invalid::block_shape: which size is off
+  bool wrong_block_down = false;                  // ... by -1 (when > 0), else +1
+  bool score_add = false, score_scale = false;    // score_mod: s * factor[h] + table[h][i - j]
+  Index score_heads = 0;                          // Hq or 1
+  std::vector<double> score_table;                // (score_heads, Lq + Lk - 1), -inf allowed
+  std::vector<double> score_factor;               // (score_heads)
+  std::array<Index, 4> nan_pair{-1, -1, -1, -1};  // (b, h, i, j) whose score_mod is NaN
+
+  bool has_mask_mod() const { return mask_use != MaskModUse::none; }
+  bool has_score_mod() const { return score_add || score_scale; }
+  /// The mask_mod: key j visible to query i of (b, h), by the table.
+  bool mask_visible(Index b, Index h, Index i, Index j) const {
+    const auto& d = mask_dims;
+    const Index n = (((d[0] == 1 ? 0 : b) * d[1] + (d[1] == 1 ? 0 : h)) * d[2] + i) * d[3] + j;
+    return mask_table[static_cast<std::size_t>(n)] != 0;
+  }
+  double score_added(Index h, Index i, Index j) const {
+    const Index hs = score_heads == 1 ? 0 : h;
+    return score_add ? score_table[static_cast<std::size_t>(hs * (q_length + k_length - 1) + i - j +
+                                                            k_length - 1)]
+                     : 0.0;
+  }
+  double score_multiplied(Index h) const {
+    return score_scale ? score_factor[static_cast<std::size_t>(score_heads == 1 ? 0 : h)] : 1.0;
+  }
+  /// The score_mod in R: the kernels' (R = T), the reference's (R = long double).
+  template <class R>
+  R score_mod(R s, Index b, Index h, Index i, Index j) const {
+    if (score_scale)
+      s = s * static_cast<R>(score_multiplied(h));
+    if (score_add)
+      s = s + static_cast<R>(score_added(h, i, j));
+    if (b == nan_pair[0] && h == nan_pair[1] && i == nan_pair[2] && j == nan_pair[3])
+      s = std::numeric_limits<R>::quiet_NaN();
+    return s;
+  }
 };
 
 double rounded(bool use_double, double x) {
@@ -175,6 +248,93 @@ std::array<Index, 4> broadcast_dims(Bytes& in, const std::array<Index, 4>& full)
 
 Index product(const std::array<Index, 4>& d) {
   return d[0] * d[1] * d[2] * d[3];
+}
+
+/// A block size in [1, 70] for `length`: the kernel's tile, the whole length, any size or a
+/// small one.
+Index block_size(Bytes& in, Index length, Index tile) {
+  const unsigned mode = in.byte() % 4;
+  const Index any = in.in(1, 70);
+  switch (mode) {
+    case 0:
+      return tile > 0 ? tile : any;
+    case 1:
+      return std::clamp<Index>(length, 1, 70);
+    case 2:
+      return any;
+    default:
+      return 1 + any % 8;
+  }
+}
+
+/// The mods' choices (the tables are filled from the random stream later, by fill_mods).
+void decode_mods(Bytes& in, Problem& p) {
+  using Use = Problem::MaskModUse;
+  const unsigned mods = in.byte();
+  p.mask_use = (mods & 3u) == 3 ? Use::block_mask : static_cast<Use>(mods & 3u);
+  if (p.invalid == Invalid::mods_both)
+    p.mask_use = Use::both;
+  else if (p.invalid == Invalid::block_shape)
+    p.mask_use = Use::block_mask;
+  p.score_add = (mods & 4u) != 0;
+  p.score_scale = (mods & 8u) != 0;
+  const unsigned blocks = in.byte();
+  p.mask_dims = {(mods & 16u) != 0 ? std::max<Index>(p.batch, 1) : 1,
+                 (mods & 32u) != 0 ? p.q_heads : 1, p.q_length, p.k_length};
+  // A block mask is classified per (b, h) where the table differs per (b, h).
+  p.block_batch = p.mask_dims[0] != 1 || (blocks & 1u) != 0;
+  p.block_heads = p.mask_dims[1] != 1 || (blocks & 2u) != 0;
+  p.block_q = block_size(in, p.q_length, p.query_tile);
+  p.block_k = block_size(in, p.k_length, p.key_tile);
+  // The table's blocks: the block mask's (so that it gets every class), or others.
+  p.structure_q = (blocks & 4u) != 0 ? block_size(in, p.q_length, p.query_tile) : p.block_q;
+  p.structure_k = (blocks & 4u) != 0 ? block_size(in, p.k_length, p.key_tile) : p.block_k;
+  p.wrong_block_dim = static_cast<int>((blocks >> 3) % 4);
+  p.wrong_block_down = (blocks & 32u) != 0;
+  p.score_heads = (mods & 64u) != 0 ? p.q_heads : 1;
+  if (p.has_score_mod() && (mods & 128u) != 0)
+    p.nan_pair = {0, 0, 0, 0};  // placed by fill_mods
+}
+
+/// The mods' tables: the mask in blocks of structure_q x structure_k, each all visible, all
+/// hidden or random; the score table in [-3, 3] with some -inf; the factors in [-2, 2].
+void fill_mods(Problem& p, Random& rng) {
+  if (p.has_mask_mod()) {
+    const auto& d = p.mask_dims;
+    p.mask_table.assign(static_cast<std::size_t>(product(d)), 0);
+    const Index share = 1 + rng.below(7);  // of 8: the visible share of a random block
+    for (Index bh = 0; bh < d[0] * d[1]; ++bh) {
+      for (Index i0 = 0; i0 < d[2]; i0 += p.structure_q) {
+        for (Index j0 = 0; j0 < d[3]; j0 += p.structure_k) {
+          const Index kind = rng.below(3);  // 0 hidden, 1 visible, 2 random
+          for (Index i = i0; i < std::min(i0 + p.structure_q, d[2]); ++i) {
+            for (Index j = j0; j < std::min(j0 + p.structure_k, d[3]); ++j) {
+              p.mask_table[static_cast<std::size_t>((bh * d[2] + i) * d[3] + j)] =
+                  kind == 1 || (kind == 2 && rng.below(8) < share);
+            }
+          }
+        }
+      }
+    }
+  }
+  if (p.score_add) {
+    p.score_table.resize(
+        static_cast<std::size_t>(p.score_heads * std::max<Index>(p.q_length + p.k_length - 1, 0)));
+    for (double& t : p.score_table) {
+      t = rng.below(16) == 0 ? -std::numeric_limits<double>::infinity()
+                             : rounded(p.use_double, rng.uniform(-3, 3));
+    }
+  }
+  if (p.score_scale) {
+    p.score_factor.resize(static_cast<std::size_t>(p.score_heads));
+    for (double& f : p.score_factor)
+      f = rounded(p.use_double, rng.uniform(-2, 2));
+  }
+  if (p.nan_pair[0] == 0) {
+    p.nan_pair = {rng.below(std::max<Index>(p.batch, 1)), rng.below(p.q_heads),
+                  rng.below(std::max<Index>(p.q_length, 1)),
+                  rng.below(std::max<Index>(p.k_length, 1))};
+  }
 }
 
 Problem decode(const std::uint8_t* data, std::size_t size) {
@@ -321,6 +481,8 @@ Problem decode(const std::uint8_t* data, std::size_t size) {
     default:
       break;
   }
+  if ((header & 32u) != 0 || is_mod_invalid(p.invalid))
+    decode_mods(in, p);
 
   Random rng(in.seed());
   const auto fill = [&](std::vector<double>& x, Index n) {
@@ -346,6 +508,7 @@ Problem decode(const std::uint8_t* data, std::size_t size) {
         e = std::numeric_limits<double>::infinity();
     }
   }
+  fill_mods(p, rng);
   // A sprinkling of large values: up to 2^20 in magnitude, so that q . k stays far from
   // overflow in float (70 * 2^40 < 2^47).
   std::vector<double>* tensors[] = {&p.q, &p.k, &p.v, &p.bias};
@@ -374,7 +537,7 @@ Problem decode(const std::uint8_t* data, std::size_t size) {
   return p;
 }
 
-[[noreturn]] void fail(const Problem& p, const std::string& what) {
+void print_problem(const Problem& p, const std::string& what) {
   std::fprintf(
       stderr,
       "fuzz_attention: %s\n  %s, B %ld, Hq %ld, Hkv %ld, Lq %ld, Lk %ld, D %ld, Dv %ld, "
@@ -393,7 +556,93 @@ Problem decode(const std::uint8_t* data, std::size_t size) {
       static_cast<long>(p.query_tile), static_cast<long>(p.key_tile), static_cast<int>(p.invalid),
       p.query_lengths.size(), static_cast<long>(p.sink_tokens), p.sinks.size(),
       static_cast<int>(p.packed), static_cast<int>(p.has_nan));
+  if (p.has_mask_mod() || p.has_score_mod()) {
+    std::fprintf(stderr,
+                 "  mods: mask_mod %d (0 none, 1 mask_mod, 2 block_mask, 3 both), table "
+                 "[%ld %ld %ld %ld] in blocks %ld x %ld, block mask blocks %ld x %ld for B %d "
+                 "H %d, wrong size %d%s; score_mod add %d scale %d heads %ld, NaN at "
+                 "(%ld, %ld, %ld, %ld)\n",
+                 static_cast<int>(p.mask_use), static_cast<long>(p.mask_dims[0]),
+                 static_cast<long>(p.mask_dims[1]), static_cast<long>(p.mask_dims[2]),
+                 static_cast<long>(p.mask_dims[3]), static_cast<long>(p.structure_q),
+                 static_cast<long>(p.structure_k), static_cast<long>(p.block_q),
+                 static_cast<long>(p.block_k), static_cast<int>(p.block_batch),
+                 static_cast<int>(p.block_heads), p.wrong_block_dim,
+                 p.wrong_block_down ? " down" : " up", static_cast<int>(p.score_add),
+                 static_cast<int>(p.score_scale), static_cast<long>(p.score_heads),
+                 static_cast<long>(p.nan_pair[0]), static_cast<long>(p.nan_pair[1]),
+                 static_cast<long>(p.nan_pair[2]), static_cast<long>(p.nan_pair[3]));
+  }
+}
+
+[[noreturn]] void fail(const Problem& p, const std::string& what) {
+  print_problem(p, what);
   std::abort();
+}
+
+/// Fails the input when a kernel hands a mod an index outside [0, B) x [0, Hq) x
+/// [0, q_limit) x [0, k_limit) (attn/mods.hpp: a mod sees pairs of the call's sizes only;
+/// for a packed call the longest sequence's).
+void check_mod_indices(const Problem& p, const char* mod, Index b, Index h, Index i, Index j,
+                       Index q_limit, Index k_limit) {
+  if (b < 0 || b >= std::max<Index>(p.batch, 1) || h < 0 || h >= p.q_heads || i < 0 ||
+      i >= q_limit || j < 0 || j >= k_limit) {
+    fail(p, std::string(mod) + " called at (b, h, q_idx, kv_idx) = (" + std::to_string(b) + ", " +
+                std::to_string(h) + ", " + std::to_string(i) + ", " + std::to_string(j) +
+                "), outside (" + std::to_string(p.batch) + ", " + std::to_string(p.q_heads) + ", " +
+                std::to_string(q_limit) + ", " + std::to_string(k_limit) + ")");
+  }
+}
+
+/// The input's mask_mod, as a kernel gets it.
+struct TableMaskMod {
+  const Problem* p;
+  Index q_limit, k_limit;
+  bool operator()(Index b, Index h, Index i, Index j) const {
+    check_mod_indices(*p, "mask_mod", b, h, i, j, q_limit, k_limit);
+    return p->mask_visible(b, h, i, j);
+  }
+};
+
+/// The input's score_mod in T, as a kernel gets it.
+template <class T>
+struct TableScoreMod {
+  const Problem* p;
+  Index q_limit, k_limit;
+  T operator()(T s, Index b, Index h, Index i, Index j) const {
+    check_mod_indices(*p, "score_mod", b, h, i, j, q_limit, k_limit);
+    return p->score_mod<T>(s, b, h, i, j);
+  }
+};
+
+/// Sets the input's mods on `options` for a call of q_length x k_length scores (the longest
+/// sequences of a packed call): the mask_mod, a BlockMask of it, both, or a BlockMask of the
+/// wrong sizes; and the score_mod.
+template <class T>
+void set_mods(const Problem& p, Index q_length, Index k_length,
+              attn::AttentionOptions<T>& options) {
+  using Use = Problem::MaskModUse;
+  const attn::MaskMod mask_mod(TableMaskMod{&p, q_length, k_length});
+  if (p.mask_use == Use::mask_mod || p.mask_use == Use::both)
+    options.mask_mod = mask_mod;
+  std::array<Index, 4> dims{p.block_batch ? std::max<Index>(p.batch, 1) : 1,
+                            p.block_heads ? p.q_heads : 1, q_length, k_length};
+  if (p.invalid == Invalid::block_shape) {
+    Index& d = dims[static_cast<std::size_t>(p.wrong_block_dim)];
+    if (p.wrong_block_dim < 2)
+      d = std::max<Index>(2, (p.wrong_block_dim == 0 ? p.batch : p.q_heads) + 1);  // not 1
+    else
+      d += p.wrong_block_down && d > 0 ? -1 : 1;
+    // Any pattern: this block mask's sizes are not the table's.
+    options.block_mask = attn::BlockMask(
+        attn::MaskMod([](Index, Index, Index i, Index j) { return (i + 2 * j) % 3 != 0; }), dims[0],
+        dims[1], dims[2], dims[3], p.block_q, p.block_k);
+  } else if (p.mask_use == Use::block_mask || p.mask_use == Use::both) {
+    options.block_mask =
+        attn::BlockMask(mask_mod, dims[0], dims[1], dims[2], dims[3], p.block_q, p.block_k);
+  }
+  if (p.has_score_mod())
+    options.score_mod = attn::ScoreMod<T>(TableScoreMod<T>{&p, q_length, k_length});
 }
 
 /// The problem's tensors and options in scalar type S.
@@ -436,6 +685,7 @@ struct Typed {
       options.scale = static_cast<S>(p.scale);
     options.query_tile = p.query_tile;
     options.key_tile = p.key_tile;
+    set_mods(p, p.q_length, p.k_length, options);
   }
 
   /// Runs one kernel; returns the exception message, or "" when it did not throw.
@@ -493,6 +743,16 @@ struct Typed {
     packed_options.algorithm = algorithm;
     packed_options.key_lengths.clear();
     packed_options.query_lengths.clear();
+    // The mods see positions within each sequence; a block mask has the longest's sizes.
+    Index longest_q = 0, longest_k = 0;
+    for (std::size_t b = 0; b + 1 < cu_q.size(); ++b) {
+      longest_q = std::max(longest_q, cu_q[b + 1] - cu_q[b]);
+      longest_k = std::max(longest_k, cu_k[b + 1] - cu_k[b]);
+    }
+    packed_options.mask_mod = {};
+    packed_options.block_mask = {};
+    packed_options.score_mod = {};
+    set_mods(p, longest_q, longest_k, packed_options);
     try {
       attn::scaled_dot_product_attention_varlen_into<S>(
           attn::blhd_view<const S>(qp.data(), 1, cu_q.back(), p.q_heads, p.dim),
@@ -500,8 +760,10 @@ struct Typed {
           attn::blhd_view<const S>(vp.data(), 1, cu_k.back(), p.kv_heads, p.value_dim),
           attn::blhd_view<S>(op.data(), 1, cu_q.back(), p.q_heads, p.value_dim), cu_q, cu_k,
           packed_options, lp.data());
+    } catch (const std::invalid_argument& e) {
+      return std::string("invalid_argument: ") + e.what();
     } catch (const std::exception& e) {
-      return std::string("packed: ") + e.what();
+      return std::string("other exception: ") + e.what();
     }
     out.assign(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length * p.value_dim), S(0));
     lse.assign(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length),
@@ -592,6 +854,16 @@ attn_test::reference::Problem reference_problem(const Problem& p) {
   r.sinks.assign(p.sinks.begin(), p.sinks.end());
   if (p.scale != 0)
     r.scale = p.scale;
+  // The same functions, the score_mod in long double (its tables already hold T's numbers).
+  const Problem* const problem = &p;
+  if (p.has_mask_mod())
+    r.mask_mod = [problem](Index b, Index h, Index i, Index j) {
+      return problem->mask_visible(b, h, i, j);
+    };
+  if (p.has_score_mod())
+    r.score_mod = [problem](long double s, Index b, Index h, Index i, Index j) {
+      return problem->score_mod<long double>(s, b, h, i, j);
+    };
   attn_test::round_numbers_to<T>(r);
   return r;
 }
@@ -638,13 +910,22 @@ std::vector<RowRule> row_rules(const Problem& p) {
                                    ? 0.0
                                    : p.alibi[static_cast<std::size_t>(h)] *
                                          static_cast<double>(std::abs(mask.diagonal(b, i) - j));
-          if (std::isnan(dot) || std::isnan(bias) ||
+          // What the score_mod makes of a finite score (1) or of NaN: NaN (the NaN pair),
+          // -inf (a -inf in the table, which softcap maps to -softcap) or finite.
+          const double stand_in = std::isnan(dot) ? std::numeric_limits<double>::quiet_NaN() : 1.0;
+          const double modded = p.has_score_mod() ? p.score_mod(stand_in, b, h, i, j) : stand_in;
+          const bool hidden_by_mod =
+              modded == -std::numeric_limits<double>::infinity() && p.softcap == 0;
+          if (std::isnan(modded) || std::isnan(bias) ||
               bias == std::numeric_limits<double>::infinity())
             nan_score = true;
-          else if (bias != -std::numeric_limits<double>::infinity())
+          else if (bias != -std::numeric_limits<double>::infinity() && !hidden_by_mod)
             finite_score = true;
           if (std::isfinite(dot))
-            rule.logit_scale = std::max(rule.logit_scale, scale * dot);
+            rule.logit_scale =
+                std::max(rule.logit_scale, scale * dot * std::abs(p.score_multiplied(h)));
+          if (std::isfinite(p.score_added(h, i, j)))
+            rule.logit_scale = std::max(rule.logit_scale, std::abs(p.score_added(h, i, j)));
           if (std::isfinite(bias))
             rule.logit_scale = std::max(rule.logit_scale, std::abs(bias));
           rule.logit_scale = std::max(rule.logit_scale, alibi);
@@ -692,27 +973,34 @@ void check_attention(const Problem& p) {
     }
   }
   const std::size_t padded_kernels = kernels.size();
-  if (p.packed && p.invalid == Invalid::none) {
+  // Packed calls of the invalid mods too: the block mask's sizes are checked against the
+  // longest sequences.
+  if (p.packed && (p.invalid == Invalid::none || is_mod_invalid(p.invalid))) {
     for (std::size_t n = 0; n < padded_kernels; ++n)
       kernels.push_back({kernels[n].algorithm, kernels[n].isa, "packed " + kernels[n].name});
   }
   const int kernel_count = static_cast<int>(kernels.size());
-  std::string first_error;
+  std::string first_error, first_packed_error;
   std::vector<std::vector<T>> outs(kernels.size()), lses(kernels.size());
   for (int n = 0; n < kernel_count; ++n) {
     const Kernel& kernel = kernels[static_cast<std::size_t>(n)];
     const attn::ScopedIsa forced(kernel.isa);
-    const std::string error = static_cast<std::size_t>(n) < padded_kernels
-                                  ? typed.run(p, kernel.algorithm)
-                                  : typed.run_packed(p, kernel.algorithm);
+    const bool packed = static_cast<std::size_t>(n) >= padded_kernels;
+    const std::string error =
+        packed ? typed.run_packed(p, kernel.algorithm) : typed.run(p, kernel.algorithm);
     const std::string& name = kernel.name;
     if (p.invalid != Invalid::none) {
-      if (error.rfind("invalid_argument: scaled_dot_product_attention: ", 0) != 0)
+      const std::string expected = packed
+                                       ? "invalid_argument: scaled_dot_product_attention_varlen: "
+                                       : "invalid_argument: scaled_dot_product_attention: ";
+      if (error.rfind(expected, 0) != 0)
         fail(p, name + " did not throw std::invalid_argument: '" + error + "'");
-      if (n == 0)
-        first_error = error;
-      else if (error != first_error)
-        fail(p, name + " threw '" + error + "' but naive '" + first_error + "'");
+      std::string& first = packed ? first_packed_error : first_error;
+      if (first.empty())
+        first = error;
+      else if (error != first)
+        fail(p, name + " threw '" + error + "' but " + (packed ? "packed naive" : "naive") + " '" +
+                    first + "'");
       continue;
     }
     if (!error.empty())
@@ -955,11 +1243,51 @@ void check_backward(const Problem& p) {
   }
 }
 
+/// The backward refuses a score_mod (attn/attention_backward.hpp: forward only).
+template <class T>
+void check_backward_refuses_score_mod(const Problem& p) {
+  Typed<T> typed(p);
+  if (!typed.run(p, attn::Algorithm::naive).empty())
+    fail(p, "the naive forward threw before the backward");
+  std::vector<T> dout(typed.out.size(), T(1)), dq(typed.q.size()), dk(typed.k.size()),
+      dv(typed.v.size());
+  for (const attn::Algorithm algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
+    attn::AttentionOptions<T> options = typed.options;
+    options.algorithm = algorithm;
+    std::string error = "nothing";
+    try {
+      attn::scaled_dot_product_attention_backward_into<T>(
+          attn::bhld_view<const T>(typed.q.data(), p.batch, p.q_heads, p.q_length, p.dim),
+          attn::bhld_view<const T>(typed.k.data(), p.batch, p.kv_heads, p.k_length, p.dim),
+          attn::bhld_view<const T>(typed.v.data(), p.batch, p.kv_heads, p.k_length, p.value_dim),
+          attn::bhld_view<const T>(typed.out.data(), p.batch, p.q_heads, p.q_length, p.value_dim),
+          typed.lse.data(),
+          attn::bhld_view<const T>(dout.data(), p.batch, p.q_heads, p.q_length, p.value_dim),
+          attn::bhld_view<T>(dq.data(), p.batch, p.q_heads, p.q_length, p.dim),
+          attn::bhld_view<T>(dk.data(), p.batch, p.kv_heads, p.k_length, p.dim),
+          attn::bhld_view<T>(dv.data(), p.batch, p.kv_heads, p.k_length, p.value_dim), options);
+    } catch (const std::invalid_argument& e) {
+      error = e.what();
+    } catch (const std::exception& e) {
+      error = std::string("other exception: ") + e.what();
+    }
+    if (error.rfind("scaled_dot_product_attention_backward: options.score_mod is forward only",
+                    0) != 0) {
+      fail(p, std::string("the ") + attn::algorithm_name(algorithm) +
+                  " backward with a score_mod did not throw std::invalid_argument: '" + error +
+                  "'");
+    }
+  }
+}
+
 template <class T, class R>
 void check(const Problem& p) {
   check_attention<T>(p);
-  // The backward needs the forward's own shapes (the invalid-shape problems have others).
-  if (p.invalid == Invalid::none && !p.has_nan && !p.large)
+  // The backward needs the forward's own shapes (the invalid-shape problems have others);
+  // it takes mask_mod and block_mask, and refuses a score_mod.
+  if (p.invalid == Invalid::none && p.has_score_mod())
+    check_backward_refuses_score_mod<T>(p);
+  else if (p.invalid == Invalid::none && !p.has_nan && !p.large)
     check_backward<T>(p);
   if (p.linear && p.invalid == Invalid::none && !p.has_nan && !p.large)
     check_linear<T, R>(p);
