@@ -377,21 +377,29 @@ inline void dot_block(const float* q, Index q_stride,  // (Rb, dim)
                       Index dim, float* s, Index s_stride) {
   static_assert(Kb == 1 || Kb == 4, "dot_block: 1 or 4 keys");
   vec acc[static_cast<std::size_t>(Rb)][static_cast<std::size_t>(Kb)];
-  for (int r = 0; r < Rb; ++r)
+// Unrolled by pragmas: GCC's -O2 keeps a loop over R rolled and acc in memory otherwise.
+#pragma GCC unroll 4
+  for (int r = 0; r < Rb; ++r) {
+#pragma GCC unroll 4
     for (int j = 0; j < Kb; ++j)
       acc[r][j] = zero();
+  }
   for (Index d = 0; d < dim; d += lanes) {
     vec key[static_cast<std::size_t>(Kb)];
+#pragma GCC unroll 4
     for (int j = 0; j < Kb; ++j) {
       key[j] = load_widened(k + j * k_stride + d);
       prefetch_element(k, (j + prefetch_keys) * k_stride + d);
     }
+#pragma GCC unroll 4
     for (int r = 0; r < Rb; ++r) {
       const vec query = load(q + r * q_stride + d);
+#pragma GCC unroll 4
       for (int j = 0; j < Kb; ++j)
         acc[r][j] = fmadd(query, key[j], acc[r][j]);
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < Rb; ++r) {
     if constexpr (Kb == 4)
       sum_each4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s + r * s_stride);
@@ -533,26 +541,34 @@ inline void weighted_sum_block(const float* p, Index p_stride,  // (Rb, keys)
                                Index keys, const float* alpha, bool first, float* acc,
                                Index acc_stride) {  // (Rb, C lanes)
   vec sum[static_cast<std::size_t>(Rb)][static_cast<std::size_t>(C)];
+#pragma GCC unroll 4  // as in dot_block
   for (int r = 0; r < Rb; ++r) {
     const vec rescale = set1(first ? 0.0f : alpha[r]);
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c)
       sum[r][c] = first ? zero() : mul(load(acc + r * acc_stride + lanes * c), rescale);
   }
   for (Index j = 0; j < keys; ++j) {
     vec value[static_cast<std::size_t>(C)];
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
       value[c] = load_widened(v + j * v_stride + lanes * c);
       prefetch_element(v, (j + prefetch_keys) * v_stride + lanes * c);
     }
+#pragma GCC unroll 4
     for (int r = 0; r < Rb; ++r) {
       const vec weight = set1(p[r * p_stride + j]);
+#pragma GCC unroll 4
       for (int c = 0; c < C; ++c)
         sum[r][c] = fmadd(weight, value[c], sum[r][c]);
     }
   }
-  for (int r = 0; r < Rb; ++r)
+#pragma GCC unroll 4
+  for (int r = 0; r < Rb; ++r) {
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c)
       store(acc + r * acc_stride + lanes * c, sum[r][c]);
+  }
 }
 
 template <int Rb, class S, int C = static_cast<int>(decode_vectors)>
