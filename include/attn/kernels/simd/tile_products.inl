@@ -343,6 +343,37 @@ inline void score_gradient_row(const float* p, const float* f, float delta, floa
   }
 }
 
+/// f[c] = the dropout factor of key j0 + c of the row whose key is `row` (1 / (1 - p) when
+/// kept, 0 when dropped: Dropout::factors_for_row's bits) for c < keys, 0 for keys <= c <
+/// width (a multiple of lanes); pf[c] = p[c] * f[c]. The hashes in vectors: the plain loop
+/// vectorises at -O3 only.
+inline void dropout_row(const Dropout<float>& dropout, std::uint32_t row, Index j0, Index keys,
+                        Index width, const float* p, float* f, float* pf) {
+  constexpr std::uint32_t step = Dropout<float>::key_step;
+  const vec scale = set1(dropout.scale());
+  const std::uint32_t threshold = dropout.threshold();
+  for (Index c = 0; c < width; c += lanes) {
+    const std::uint32_t first = row + static_cast<std::uint32_t>(j0 + c) * step;
+    const vec factor = where_at_least(mix32(counters(first, step)), threshold, scale);
+    store(f + c, factor);
+    store(pf + c, mul(load(p + c), factor));
+  }
+  std::fill(f + keys, f + width, 0.0f);
+  std::fill(pf + keys, pf + width, 0.0f);
+}
+
+/// ds[e] *= 1 - tanh^2(raw[e] / cap) for e < n (a multiple of lanes): the derivative of
+/// cap tanh(s / cap), as 4 u / (1 + u)^2 with u = exp(-2 |raw| / cap) in (0, 1] (no tanh,
+/// and no cancellation where tanh is near 1; 0 where u is below the smallest normal float).
+inline void softcap_derivative(const float* raw, Index n, float cap, float* ds) {
+  const vec factor = set1(-2.0f / cap), one = set1(1.0f), four = set1(4.0f);
+  for (Index e = 0; e < n; e += lanes) {
+    const vec u = exp_shifted(mul(factor, absolute(load(raw + e))), zero());
+    const vec sum = add(one, u);
+    store(ds + e, mul(load(ds + e), divide(mul(four, u), mul(sum, sum))));
+  }
+}
+
 // --- Widening ---------------------------------------------------------------------------
 
 /// dst[0:n) = src[0:n) as float (exact for half and bfloat16).
