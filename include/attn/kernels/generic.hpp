@@ -130,6 +130,14 @@ void score_gradient_row(const T* p, const T* f, T delta, T scale, Index width, T
 }
 
 template <class T>
+void add_product(const T* a, Index a_stride, Index rows, const T* b, Index b_stride, Index depth,
+                 Index cols, T* c, Index c_stride) {
+  RowsMap<T>(c, rows, cols, Eigen::OuterStride<>(c_stride)).noalias() +=
+      ConstRowsMap<T>(a, rows, depth, Eigen::OuterStride<>(a_stride)) *
+      ConstRowsMap<T>(b, depth, cols, Eigen::OuterStride<>(b_stride));
+}
+
+template <class T>
 void dropout_row(const Dropout<T>& dropout, std::uint32_t row, Index j0, Index keys, Index width,
                  const T* p, T* f, T* pf) {
   dropout.factors_for_row(row, j0, keys, f);
