@@ -78,7 +78,7 @@ KernelPlan plan_backward(const AttentionShape& shape, const AttentionOptions<T>&
                        static_cast<double>(shape.k_length) *
                        static_cast<double>(shape.dim + shape.value_dim) *
                        static_cast<double>(shape.batch * shape.q_heads);
-  plan.parallel = plan.work_items > 1 && flops > 1e6;
+  plan.parallel = runs_parallel(plan.work_items, flops);
   plan.threads =
       plan.parallel ? static_cast<int>(std::min<Index>(max_threads(), plan.work_items)) : 1;
   return plan;
