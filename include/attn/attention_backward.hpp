@@ -29,6 +29,7 @@
 #include "attn/attention.hpp"
 #include "attn/config.hpp"
 #include "attn/cpu.hpp"
+#include "attn/kernels/backward_views.hpp"
 #include "attn/kernels/flash_backward.hpp"
 #include "attn/kernels/naive_backward.hpp"
 #include "attn/mask.hpp"
@@ -165,14 +166,14 @@ void attention_backward_into(const HeadsView<const S>& q,     // (B, Hq, Lq, D)
   const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options);
   const KernelPlan plan = plan_backward<T>(
       {q.batch, q.heads, k.heads, q.length, k.length, q.dim, v.dim}, options, function);
-  if (plan.algorithm == Algorithm::naive) {
-    run_naive_backward(plan, q, k, v, out, dout, lse, dq, dk, dv, mask, options.softcap, scale);
-  } else {
-    run_flash_backward(plan, q, k, v, out, dout, lse, dq, dk, dv, mask, options.softcap, scale);
-  }
+  const BackwardViews<S> views{q, k, v, out, dout, lse, dq, dk, dv};
+  if (plan.algorithm == Algorithm::naive)
+    run_naive_backward(plan, views, mask, options.softcap, scale);
+  else
+    run_flash_backward(plan, views, mask, options.softcap, scale);
   if (dbias != nullptr) {
-    run_bias_gradient(plan.parallel, plan.query_tile, q, k, v, out, dout, lse, mask, scale,
-                      options.bias.dims(), dbias);
+    run_bias_gradient(plan.parallel, plan.query_tile, views, mask, scale, options.bias.dims(),
+                      dbias);
   }
   if (dsinks != nullptr)
     sink_gradients(out, dout, lse, mask, dsinks);
