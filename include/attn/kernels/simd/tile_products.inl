@@ -651,18 +651,22 @@ inline void add_product(const float* a, Index a_stride, Index rows,   // (rows, 
   constexpr auto block_vectors = static_cast<std::size_t>(score_vectors);
   constexpr auto block_rows = static_cast<std::size_t>(score_rows);
   const Index vector_cols = cols / lanes * lanes;
-  for (Index r = 0; r < rows; r += score_rows) {
-    const Index n = std::min(score_rows, rows - r);
-    const float* a_rows = a + r * a_stride;
-    float* c_rows = c + r * c_stride;
-    Index c0 = 0;
-    for (; c0 + block_width <= vector_cols; c0 += block_width) {
-      scores_rows<block_vectors, block_rows, true>(n, a_rows, a_stride, b + c0, b_stride, depth,
-                                                   c_rows + c0, c_stride, nullptr);
-    }
-    for (; c0 < vector_cols; c0 += lanes) {
-      scores_rows<1, block_rows, true>(n, a_rows, a_stride, b + c0, b_stride, depth, c_rows + c0,
-                                       c_stride, nullptr);
+  // columns outside: a column block of b (depth x block_width) stays in L1 for all the rows
+  for (Index c0 = 0; c0 < vector_cols; c0 += block_width) {
+    const bool whole = c0 + block_width <= vector_cols;
+    for (Index r = 0; r < rows; r += score_rows) {
+      const Index n = std::min(score_rows, rows - r);
+      const float* a_rows = a + r * a_stride;
+      float* c_block = c + r * c_stride + c0;
+      if (whole) {
+        scores_rows<block_vectors, block_rows, true>(n, a_rows, a_stride, b + c0, b_stride, depth,
+                                                     c_block, c_stride, nullptr);
+      } else {
+        for (Index c1 = 0; c0 + c1 < vector_cols; c1 += lanes) {
+          scores_rows<1, block_rows, true>(n, a_rows, a_stride, b + c0 + c1, b_stride, depth,
+                                           c_block + c1, c_stride, nullptr);
+        }
+      }
     }
   }
   if (vector_cols < cols) {
