@@ -53,7 +53,7 @@ struct AttentionGradients {
 
 /// Flash backward tiles (query rows, keys), measured with bench_backward (docs/training.md).
 inline constexpr Index default_backward_query_tile = 64;
-inline constexpr Index default_backward_key_tile = 64;
+inline constexpr Index default_backward_key_tile = 128;
 
 namespace detail {
 

@@ -15,8 +15,10 @@
 // so the order is fixed).
 //
 // Extra memory per thread: 2 W (D + Dv) + 3 Bq W + 3 Bq + W scalars for the tiles (2 Bq W
-// without softcap; W = Bk rounded up to whole vectors) and G * Lq for the rows' deltas,
-// independent of Lk and only G * Lq scalars in Lq: 180 KiB at Bq = Bk = 64, D = Dv = 128. With
+// without softcap, one more Bq W with dropout; W = Bk rounded up to whole vectors) and G * Lq
+// for the rows' deltas, independent of Lk and only G * Lq scalars in Lq: 353 KiB at the
+// default Bq = 64, Bk = 128, D = Dv = 128 (a key tile of 128 halves the passes over q, dout
+// and dq that a tile of 64 makes: at L = 4096 they no longer fit in L2). With
 // 16-bit storage add one widened head of each of q, out and dout (Lq, D + 2 Dv) per query
 // head of the group, of k and v (Lk, D + Dv), and float accumulators for dq (G Lq, D) and
 // dk, dv (Lk, D + Dv).
