@@ -5,8 +5,9 @@
 // No include guard and no #include: kernels/flash_backward.hpp includes this file inside
 // namespace attn::detail::generic, attn::detail::avx2 and attn::detail::avx512 (in their
 // target regions), after the forward's online_softmax.inl. It uses that namespace's tile
-// products (pack_queries, scores, exp_rows, accumulate, weighted_sum, score_gradient_row,
-// padded), here with the keys of a tile along the vector lanes and the queries on the rows:
+// products (pack_queries, scores, exp_rows, accumulate, add_product, score_gradient_row,
+// dropout_row, softcap_derivative, padded), here with the keys of a tile along the vector
+// lanes and the queries on the rows:
 //
 //   kt, vt    (D, W), (Dv, W)   scale * k tile^T and v tile^T, packed once per key tile
 //   s         (Bq, W)           scores -> p of one query tile
@@ -18,7 +19,7 @@
 // so that every product is one of the forward's register-blocked kernels:
 //   s = q kt,  dp = dout vt              (scores: a row of q times the rows of kt)
 //   dvt += dout^T p,  dkt += q^T ds      (accumulate: the transposed-output product)
-//   dq += ds k                           (weighted_sum: the rows of ds weight the rows of k)
+//   dq += ds k                           (add_product: the rows of ds weight the rows of k)
 // For the rows i of a query tile and the keys j of the key tile (z = the masked, modified
 // scores; lse_i saved by the forward, delta_i = dout_i . out_i):
 //   p_ij  = exp(z_ij - lse_i)
@@ -91,13 +92,9 @@ struct BackwardKernels {
         exp_rows(s, stride, rows, width, shift, workspace.sums.data());  // p
         const Dropout<T>& dropout = mask.dropout();
         if (dropout.active()) {  // f: the forward's dropout factors, regenerated; dv takes p f
-          T* f = workspace.drop.data();
           for (Index r = 0; r < rows; ++r) {
-            T* f_row = f + r * stride;
-            dropout.factors_for_row(dropout.row_key(b, h, i0 + r), j0, keys, f_row);
-            std::fill(f_row + keys, f_row + width, T(0));
-            for (Index c = 0; c < width; ++c)
-              dp[r * stride + c] = s[r * stride + c] * f_row[c];
+            dropout_row(dropout, dropout.row_key(b, h, i0 + r), j0, keys, width, s + r * stride,
+                        workspace.drop.data() + r * stride, dp + r * stride);
           }
           accumulate(dp, stride, rows, width, dout_rows, head.dout.outerStride(), value_dim,
                      first ? nullptr : ones, dvt, stride);
@@ -117,21 +114,23 @@ struct BackwardKernels {
                              head.delta[i0 + r], scale, width, dp + r * stride);
         }
         if (softcap)
-          apply_softcap_derivative(workspace.raw.data(), rows * stride, *softcap, dp);
+          softcap_derivative(workspace.raw.data(), rows * stride, *softcap, dp);
         accumulate(dp, stride, rows, width, q_rows, head.q.outerStride(), dim,
                    first ? nullptr : ones, dkt, stride);
-        weighted_sum(dp, stride, rows, k_tile, k.outerStride(), keys, dim, ones,
-                     row_of(head.dq, i0), head.dq.outerStride());
+        add_product(dp, stride, rows, k_tile, k.outerStride(), keys, dim, row_of(head.dq, i0),
+                    head.dq.outerStride());
         first = false;
       }
     }
-    for (Index j = 0; j < keys; ++j) {  // pass 3
-      T* dk_row = row_of(dk, j0 + j);
-      T* dv_row = row_of(dv, j0 + j);
-      for (Index d = 0; d < dim; ++d)
-        dk_row[d] = first ? T(0) : dkt[d * stride + j];
-      for (Index e = 0; e < value_dim; ++e)
-        dv_row[e] = first ? T(0) : dvt[e * stride + j];
+    if (first) {  // pass 3: no query sees the tile
+      dk.middleRows(j0, keys).setZero();
+      dv.middleRows(j0, keys).setZero();
+    } else {  // pass 3: the transposes, by pack_queries with scale 1 (exact)
+      if (dim > 0)
+        pack_queries(dkt, stride, dim, keys, T(1), row_of(dk, j0), dk.outerStride(), dim);
+      if (value_dim > 0)
+        pack_queries(dvt, stride, value_dim, keys, T(1), row_of(dv, j0), dv.outerStride(),
+                     value_dim);
     }
   }
 
@@ -168,16 +167,6 @@ struct BackwardKernels {
     if (width > keys) {
       for (Index r = 0; r < rows; ++r)
         std::fill(s + r * stride + keys, s + r * stride + width, minus_inf);
-    }
-  }
-
-  /// ds[n] *= 1 - tanh^2(raw[n] / cap): the derivative of cap * tanh(s / cap).
-  template <class T>
-  static void apply_softcap_derivative(const T* raw, Index n, T cap, T* ds) {
-    const T inverse = T(1) / cap;
-    for (Index e = 0; e < n; ++e) {
-      const T t = std::tanh(raw[e] * inverse);
-      ds[e] *= T(1) - t * t;
     }
   }
 };
