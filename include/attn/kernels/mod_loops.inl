@@ -59,8 +59,8 @@ ATTN_VECTORIZED_LOOP void hide_tile(const void* callable, const ScoreTile<T>& t)
 /// How many pairs of [i0, i1) x [j0, j1) f shows, or -1 as soon as the rows seen so far
 /// hold both a shown and a hidden pair (the tile is partial whatever the rest holds).
 template <class F>
-ATTN_VECTORIZED_LOOP Index count_visible(const void* callable, Index b, Index h, Index i0,
-                                         Index i1, Index j0, Index j1) {
+ATTN_VECTORIZED_LOOP Index count_visible(const void* callable, Index b, Index h, Index i0, Index i1,
+                                         Index j0, Index j1) {
   const F& f = *static_cast<const F*>(callable);
   Index visible = 0;
   for (Index i = i0; i < i1; ++i) {
