@@ -29,6 +29,7 @@
 #include "attn/attention.hpp"
 #include "attn/config.hpp"
 #include "attn/cpu.hpp"
+#include "attn/kernels/backward_views.hpp"
 #include "attn/kernels/flash_backward.hpp"
 #include "attn/kernels/naive_backward.hpp"
 #include "attn/mask.hpp"
@@ -52,7 +53,7 @@ struct AttentionGradients {
 
 /// Flash backward tiles (query rows, keys), measured with bench_backward (docs/training.md).
 inline constexpr Index default_backward_query_tile = 64;
-inline constexpr Index default_backward_key_tile = 64;
+inline constexpr Index default_backward_key_tile = 128;
 
 namespace detail {
 
@@ -78,7 +79,7 @@ KernelPlan plan_backward(const AttentionShape& shape, const AttentionOptions<T>&
                        static_cast<double>(shape.k_length) *
                        static_cast<double>(shape.dim + shape.value_dim) *
                        static_cast<double>(shape.batch * shape.q_heads);
-  plan.parallel = plan.work_items > 1 && flops > 1e6;
+  plan.parallel = runs_parallel(plan.work_items, flops);
   plan.threads =
       plan.parallel ? static_cast<int>(std::min<Index>(max_threads(), plan.work_items)) : 1;
   return plan;
@@ -170,14 +171,14 @@ void attention_backward_into(const HeadsView<const S>& q,     // (B, Hq, Lq, D)
   const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options);
   const KernelPlan plan = plan_backward<T>(
       {q.batch, q.heads, k.heads, q.length, k.length, q.dim, v.dim}, options, function);
-  if (plan.algorithm == Algorithm::naive) {
-    run_naive_backward(plan, q, k, v, out, dout, lse, dq, dk, dv, mask, options.softcap, scale);
-  } else {
-    run_flash_backward(plan, q, k, v, out, dout, lse, dq, dk, dv, mask, options.softcap, scale);
-  }
+  const BackwardViews<S> views{q, k, v, out, dout, lse, dq, dk, dv};
+  if (plan.algorithm == Algorithm::naive)
+    run_naive_backward(plan, views, mask, options.softcap, scale);
+  else
+    run_flash_backward(plan, views, mask, options.softcap, scale);
   if (dbias != nullptr) {
-    run_bias_gradient(plan.parallel, plan.query_tile, q, k, v, out, dout, lse, mask, scale,
-                      options.bias.dims(), dbias);
+    run_bias_gradient(plan.parallel, plan.query_tile, views, mask, scale, options.bias.dims(),
+                      dbias);
   }
   if (dsinks != nullptr)
     sink_gradients(out, dout, lse, mask, dsinks);

@@ -46,6 +46,10 @@ class Dropout {
   T probability() const { return p_; }
   /// 1 / (1 - p): the factor of a kept weight.
   T scale() const { return scale_; }
+  /// round(p * 2^32): a weight is kept iff its 32-bit hash is at least this.
+  std::uint32_t threshold() const { return threshold_; }
+  /// The hash of weight j of a row is mix32(row + j * key_step) (mod 2^32).
+  static constexpr std::uint32_t key_step = 0x9E3779B9u;
 
   /// The key of query i of sequence b, head h: every weight of the row derives from it.
   std::uint32_t row_key(Index b, Index h, Index i) const {
@@ -58,7 +62,7 @@ class Dropout {
 
   /// Whether key j of the row whose key is `row` is kept.
   bool kept(std::uint32_t row, Index j) const {
-    return mix32(row + static_cast<std::uint32_t>(j) * 0x9E3779B9u) >= threshold_;
+    return mix32(row + static_cast<std::uint32_t>(j) * key_step) >= threshold_;
   }
 
   /// The factor f of weight j of the row: 1 / (1 - p) when kept, else 0.
@@ -67,14 +71,14 @@ class Dropout {
   /// f[c] = factor(row, j0 + c) for c < n: one row against n consecutive keys.
   void factors_for_row(std::uint32_t row, Index j0, Index n, T* f) const {
     for (Index c = 0; c < n; ++c) {
-      const std::uint32_t x = row + static_cast<std::uint32_t>(j0 + c) * 0x9E3779B9u;
+      const std::uint32_t x = row + static_cast<std::uint32_t>(j0 + c) * key_step;
       f[c] = mix32(x) >= threshold_ ? scale_ : T(0);
     }
   }
 
   /// x[c] *= factor(rows[c], j) for c < n.
   void apply_for_key(const std::uint32_t* rows, Index n, Index j, T* x) const {
-    const std::uint32_t step = static_cast<std::uint32_t>(j) * 0x9E3779B9u;
+    const std::uint32_t step = static_cast<std::uint32_t>(j) * key_step;
     for (Index c = 0; c < n; ++c)
       x[c] *= mix32(rows[c] + step) >= threshold_ ? scale_ : T(0);
   }
@@ -82,7 +86,7 @@ class Dropout {
   /// x[c] *= factor(row, j0 + c) for c < n.
   void apply_for_row(std::uint32_t row, Index j0, Index n, T* x) const {
     for (Index c = 0; c < n; ++c) {
-      const std::uint32_t v = row + static_cast<std::uint32_t>(j0 + c) * 0x9E3779B9u;
+      const std::uint32_t v = row + static_cast<std::uint32_t>(j0 + c) * key_step;
       x[c] *= mix32(v) >= threshold_ ? scale_ : T(0);
     }
   }

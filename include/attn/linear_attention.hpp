@@ -50,7 +50,9 @@
 
 #include "attn/attention.hpp"
 #include "attn/config.hpp"
+#include "attn/kernels/item_loop.hpp"
 #include "attn/mask.hpp"
+#include "attn/plan.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn {
@@ -618,6 +620,22 @@ void check_linear_options(const char* function, const LinearAttentionOptions<T>&
                 options.key_lengths, {}, {});
 }
 
+/// body(b, kv head, n_k(b), workspace) for every (b, kv head) item of a call of `flops`
+/// FLOPs, on the OpenMP threads when plan.hpp's rule says so (kernels/item_loop.hpp): each
+/// item is computed by one thread in one order, so any thread count gives the same bits.
+template <class T, class MakeWorkspace, class Body>
+void for_each_kv_head(const HeadsView<const T>& q, const HeadsView<const T>& k,
+                      const LinearAttentionOptions<T>& options, double flops,
+                      const MakeWorkspace& make_workspace, const Body& body) {
+  const Index items = q.batch * k.heads;
+  for_each_item(items, runs_parallel(items, flops), make_workspace, [&](Index item, auto& ws) {
+    const Index b = item / k.heads;
+    const Index key_length =
+        options.key_lengths.empty() ? k.length : options.key_lengths[static_cast<std::size_t>(b)];
+    body(b, item % k.heads, key_length, ws);
+  });
+}
+
 }  // namespace detail
 
 /// Linear attention on (B, H, L, D) views, written into `out` (B, Hq, Lq, Dv), which may be
@@ -646,29 +664,20 @@ void linear_attention_into(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
   const Index chunk = options.chunk > 0 ? options.chunk : default_linear_chunk;
   const bool causal = options.causal != Causal::none;
   const Index group = k.heads == 0 ? 1 : q.heads / k.heads;
-  const Index work_items = q.batch * k.heads;
   const double flops = 4.0 * static_cast<double>(q.batch * q.heads) *
                        static_cast<double>(std::max(q.length, k.length)) *
                        static_cast<double>(features) * static_cast<double>(v.dim + 1);
-  (void)flops;
-#if ATTN_HAS_OPENMP
-#pragma omp parallel if (work_items > 1 && flops > 1e6)
-#endif
-  {
-    detail::LinearWorkspace<T> ws;  // one per thread
+  const auto make_workspace = [&] {  // one per thread
+    detail::LinearWorkspace<T> ws;
     ws.reserve(chunk, features, v.dim, causal);
-#if ATTN_HAS_OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-    for (Index item = 0; item < work_items; ++item) {
-      const Index b = item / k.heads;
-      const Index g = item % k.heads;
-      const Index key_length =
-          options.key_lengths.empty() ? k.length : options.key_lengths[static_cast<std::size_t>(b)];
-      detail::linear_attention_kv_head(q, k, v, out, map, b, g, group, key_length, options.causal,
-                                       chunk, options.eps, ws);
-    }
-  }
+    return ws;
+  };
+  detail::for_each_kv_head(q, k, options, flops, make_workspace,
+                           [&](Index b, Index g, Index key_length, detail::LinearWorkspace<T>& ws) {
+                             detail::linear_attention_kv_head(q, k, v, out, map, b, g, group,
+                                                              key_length, options.causal, chunk,
+                                                              options.eps, ws);
+                           });
 }
 
 /// Batched linear attention on rank-4 row-major tensors or tensor maps (B, H, L, D).
@@ -1165,29 +1174,20 @@ void linear_attention_backward_into(const HeadsView<const T>& q,     // (B, Hq, 
   const Index chunk = options.chunk > 0 ? options.chunk : default_linear_chunk;
   const bool causal = options.causal != Causal::none;
   const Index group = k.heads == 0 ? 1 : q.heads / k.heads;
-  const Index work_items = q.batch * k.heads;
   const double flops = 10.0 * static_cast<double>(q.batch * q.heads) *
                        static_cast<double>(std::max(q.length, k.length)) *
                        static_cast<double>(features) * static_cast<double>(v.dim + 1);
-  (void)flops;
-#if ATTN_HAS_OPENMP
-#pragma omp parallel if (work_items > 1 && flops > 1e6)
-#endif
-  {
-    detail::LinearBackwardWorkspace<T> ws;  // one per thread
+  const auto make_workspace = [&] {  // one per thread
+    detail::LinearBackwardWorkspace<T> ws;
     ws.reserve(chunk, features, v.dim, causal, group * q.length);
-#if ATTN_HAS_OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-    for (Index item = 0; item < work_items; ++item) {
-      const Index b = item / k.heads;
-      const Index g = item % k.heads;
-      const Index key_length =
-          options.key_lengths.empty() ? k.length : options.key_lengths[static_cast<std::size_t>(b)];
-      detail::linear_backward_kv_head(q, k, v, dout, dq, dk, dv, map, b, g, group, key_length,
-                                      options.causal, chunk, options.eps, ws);
-    }
-  }
+    return ws;
+  };
+  detail::for_each_kv_head(
+      q, k, options, flops, make_workspace,
+      [&](Index b, Index g, Index key_length, detail::LinearBackwardWorkspace<T>& ws) {
+        detail::linear_backward_kv_head(q, k, v, dout, dq, dk, dv, map, b, g, group, key_length,
+                                        options.causal, chunk, options.eps, ws);
+      });
 }
 
 /// The backward of the batched linear_attention on rank-4 row-major tensors or maps:

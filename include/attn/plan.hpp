@@ -96,6 +96,18 @@ inline Index default_key_tile(Isa /*isa*/) {
 /// Query rows per block of the chunked kernel.
 inline constexpr Index default_chunk_rows = 64;
 
+/// A call of fewer FLOPs than this runs on the calling thread: opening a parallel region
+/// costs more than it saves.
+inline constexpr double parallel_flops = 1e6;
+
+namespace detail {
+/// Whether a call of `flops` FLOPs over `work_items` independent items opens a parallel
+/// region (KernelPlan::parallel): the rule of every kernel's item loop (kernels/item_loop.hpp).
+inline bool runs_parallel(Index work_items, double flops) {
+  return work_items > 1 && flops > parallel_flops;
+}
+}  // namespace detail
+
 template <class T>
 constexpr const char* scalar_name() {
   if constexpr (std::is_same_v<T, float>)
@@ -176,7 +188,7 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
   const double flops = 2.0 * static_cast<double>(q_length) * static_cast<double>(k_length) *
                        static_cast<double>(shape.dim + shape.value_dim) *
                        static_cast<double>(heads);
-  plan.parallel = plan.work_items > 1 && flops > 1e6;
+  plan.parallel = detail::runs_parallel(plan.work_items, flops);
   plan.threads =
       plan.parallel ? static_cast<int>(std::min<Index>(detail::max_threads(), plan.work_items)) : 1;
   return plan;

@@ -9,14 +9,16 @@
 //
 // Inside an item, FlashAttention-2's order: for each key tile (Bk keys), for each query head
 // of the group and each query tile (Bq rows) the mask does not hide on it, the tile step of
-// kernels/flash_backward.inl. dk and dv of a key tile are summed in scratch and written once;
-// dq is summed in the output over the key tiles (FlashAttention-2 parallelises over key tiles
-// and sums dq with atomics; here one item owns a whole kv head and its query heads instead,
+// kernels/flash_backward.inl. dk and dv of a key tile are summed in place in its rows over
+// the query tiles, dq in the output over the key tiles (FlashAttention-2 parallelises over key
+// tiles and sums dq with atomics; here one item owns a whole kv head and its query heads instead,
 // so the order is fixed).
 //
-// Extra memory per thread: 2 W (D + Dv) + 3 Bq W + 3 Bq + W scalars for the tiles (2 Bq W
-// without softcap; W = Bk rounded up to whole vectors) and G * Lq for the rows' deltas,
-// independent of Lk and only G * Lq scalars in Lq: 180 KiB at Bq = Bk = 64, D = Dv = 128. With
+// Extra memory per thread: W (D + Dv) + 3 Bq W + 2 Bq scalars for the tiles (2 Bq W without
+// softcap, one more Bq W with dropout; W = Bk rounded up to whole vectors) and G * Lq for the
+// rows' deltas, independent of Lk and only G * Lq scalars in Lq: 225 KiB at the default
+// Bq = 64, Bk = 128, D = Dv = 128 (a key tile of 128 halves the passes over q, dout and dq
+// that a tile of 64 makes: at L = 4096 they no longer fit in L2). With
 // 16-bit storage add one widened head of each of q, out and dout (Lq, D + 2 Dv) per query
 // head of the group, of k and v (Lk, D + Dv), and float accumulators for dq (G Lq, D) and
 // dk, dv (Lk, D + Dv).
@@ -35,6 +37,7 @@
 
 #include "attn/config.hpp"
 #include "attn/cpu.hpp"
+#include "attn/kernels/backward_views.hpp"
 #include "attn/kernels/gemm.hpp"
 #include "attn/kernels/item_loop.hpp"
 #include "attn/kernels/online_softmax.hpp"
@@ -51,17 +54,15 @@ namespace attn::detail {
 template <class T>
 struct BackwardWorkspace {
   Index width = 0, rows = 0;
-  Scratch<T> kt, vt, dkt, dvt;   // (D, W), (Dv, W), (D, W), (Dv, W)
-  Scratch<T> s, dp, raw, drop;   // (Bq, W) each; raw with softcap, drop with dropout
-  Scratch<T> shift, sums, ones;  // (Bq), (Bq), (max(W, Bq))
+  Scratch<T> kt, vt;            // (D, W), (Dv, W)
+  Scratch<T> s, dp, raw, drop;  // (Bq, W) each; raw with softcap, drop with dropout
+  Scratch<T> shift, sums;       // (Bq), (Bq)
 
   void reserve(Index w, Index bq, Index dim, Index value_dim, bool softcap, bool dropout) {
     width = w;
     rows = bq;
     kt.resize(dim, w);
     vt.resize(value_dim, w);
-    dkt.resize(dim, w);
-    dvt.resize(value_dim, w);
     s.resize(bq, w);
     dp.resize(bq, w);
     if (softcap)
@@ -70,8 +71,6 @@ struct BackwardWorkspace {
       drop.resize(bq, w);
     shift.resize(bq);
     sums.resize(bq);
-    ones.resize(std::max(w, bq));
-    std::fill_n(ones.data(), std::max(w, bq), T(1));
   }
 };
 
@@ -137,93 +136,56 @@ void row_deltas(const HeadMatrix<const T>& dout,  // (rows, Dv)
 /// element: rows no query sees get zeros). The inputs are in the compute scalar T or
 /// 16-bit S (widened per head); the gradients are stored as S.
 template <class S>
-void run_flash_backward(const KernelPlan& plan,
-                        const HeadsView<const S>& q,     // (B, Hq, Lq, D)
-                        const HeadsView<const S>& k,     // (B, Hkv, Lk, D)
-                        const HeadsView<const S>& v,     // (B, Hkv, Lk, Dv)
-                        const HeadsView<const S>& out,   // (B, Hq, Lq, Dv)
-                        const HeadsView<const S>& dout,  // (B, Hq, Lq, Dv)
-                        const compute_scalar_t<S>* lse,  // (B, Hq, Lq)
-                        const HeadsView<S>& dq,          // (B, Hq, Lq, D)
-                        const HeadsView<S>& dk,          // (B, Hkv, Lk, D)
-                        const HeadsView<S>& dv,          // (B, Hkv, Lk, Dv)
+void run_flash_backward(const KernelPlan& plan, const BackwardViews<S>& x,
                         const Mask<compute_scalar_t<S>>& mask,
                         const std::optional<compute_scalar_t<S>>& softcap,
                         compute_scalar_t<S> scale) {
   using T = compute_scalar_t<S>;
-  constexpr bool widened = !std::is_same_v<S, T>;
-  const Index group = q.heads / k.heads, q_length = q.length;
+  const Index group = x.group(), q_length = x.q.length;
   const Index query_tile = std::max<Index>(1, std::min(plan.query_tile, q_length));
   const Index key_tile = plan.key_tile;
   struct Scratch {
     BackwardWorkspace<T> workspace;
     Matrix<T> delta;  // (G, Lq): delta of the group's query heads
     // 16-bit storage: the item's heads widened, and float accumulators for the gradients
-    std::vector<Matrix<T>> q_heads, dout_heads, dq_heads;  // G of each
-    Matrix<T> out_head, k_head, v_head, dk_head, dv_head;
+    std::vector<WidenedHead<T, S>> q_heads, dout_heads;  // G of each
+    std::vector<NarrowedRows<T, S>> dq_heads;            // G
+    WidenedHead<T, S> out_head, k_head, v_head;
+    NarrowedRows<T, S> dk_head, dv_head;
   };
   with_backward_kernels<T>(plan.isa, [&](auto kernels) {
     using K = decltype(kernels);
     const auto make_scratch = [&] {
       Scratch s;
-      s.workspace.reserve(K::padded_width(std::max<Index>(1, std::min(key_tile, k.length))),
-                          query_tile, q.dim, v.dim, softcap.has_value(), mask.dropout().active());
+      s.workspace.reserve(K::padded_width(std::max<Index>(1, std::min(key_tile, x.k.length))),
+                          query_tile, x.q.dim, x.v.dim, softcap.has_value(),
+                          mask.dropout().active());
       s.delta.resize(group, q_length);
-      if constexpr (widened) {
-        s.q_heads.resize(static_cast<std::size_t>(group));
-        s.dout_heads.resize(static_cast<std::size_t>(group));
-        s.dq_heads.resize(static_cast<std::size_t>(group));
-      }
+      s.q_heads.resize(static_cast<std::size_t>(group));
+      s.dout_heads.resize(static_cast<std::size_t>(group));
+      s.dq_heads.resize(static_cast<std::size_t>(group));
       return s;
     };
-    // A (rows, cols) head of `view` in T: the view itself, or widened into `buffer`.
-    const auto widen = [](const HeadsView<const S>& view, Index b, Index h,
-                          Matrix<T>& buffer) -> HeadMatrix<const T> {
-      if constexpr (!std::is_same_v<S, T>) {
-        buffer = view.head(b, h).template cast<T>();
-        return HeadMatrix<const T>(buffer.data(), buffer.rows(), buffer.cols(),
-                                   Eigen::OuterStride<>(buffer.cols()));
-      } else {
-        (void)buffer;
-        return view.head(b, h);
-      }
-    };
-    // The gradient head to accumulate or write into: the output itself, or a float buffer.
-    const auto gradient = [](const HeadsView<S>& view, Index b, Index h,
-                             Matrix<T>& buffer) -> HeadMatrix<T> {
-      if constexpr (!std::is_same_v<S, T>) {
-        buffer.setZero(view.rows(b), view.dim);
-        return HeadMatrix<T>(buffer.data(), buffer.rows(), buffer.cols(),
-                             Eigen::OuterStride<>(buffer.cols()));
-      } else {
-        (void)buffer;
-        return view.head(b, h);
-      }
-    };
-    for_each_item(plan.work_items, plan.parallel, make_scratch, [&](Index item, Scratch& s) {
-      const Index b = item / k.heads, kv_head = item % k.heads;
-      const Index keys = k.rows(b);
-      const HeadMatrix<const T> k_head = widen(k, b, kv_head, s.k_head);
-      const HeadMatrix<const T> v_head = widen(v, b, kv_head, s.v_head);
-      HeadMatrix<T> dk_head = gradient(dk, b, kv_head, s.dk_head);
-      HeadMatrix<T> dv_head = gradient(dv, b, kv_head, s.dv_head);
+    for_each_item(plan.work_items, plan.parallel, make_scratch, [&](Index i, Scratch& s) {
+      const auto [b, kv_head] = x.item(i);
+      const Index keys = x.k.rows(b);
+      const HeadMatrix<const T> k_head = s.k_head(x.k, b, kv_head);
+      const HeadMatrix<const T> v_head = s.v_head(x.v, b, kv_head);
+      HeadMatrix<T> dk_head = s.dk_head.rows(x.dk.head(b, kv_head), 0, keys);
+      HeadMatrix<T> dv_head = s.dv_head.rows(x.dv.head(b, kv_head), 0, keys);
       std::vector<BackwardHead<T>> heads;
       heads.reserve(static_cast<std::size_t>(group));
       for (Index g = 0; g < group; ++g) {
         const Index h = kv_head * group + g;
         const auto at = static_cast<std::size_t>(g);
-        Matrix<T> unused;
-        const HeadMatrix<const T> q_head = widen(q, b, h, widened ? s.q_heads[at] : unused);
-        const HeadMatrix<const T> dout_head =
-            widen(dout, b, h, widened ? s.dout_heads[at] : unused);
-        row_deltas<T>(dout_head, widen(out, b, h, s.out_head), s.delta.row(g).data());
-        HeadMatrix<T> dq_head = gradient(dq, b, h, widened ? s.dq_heads[at] : unused);
-        if constexpr (!widened)
-          dq_head.setZero();
-        heads.push_back({q_head, dout_head, lse + (b * q.heads + h) * q_length,
-                         s.delta.row(g).data(), dq_head});
+        const HeadMatrix<const T> dout_head = s.dout_heads[at](x.dout, b, h);
+        row_deltas<T>(dout_head, s.out_head(x.out, b, h), s.delta.row(g).data());
+        HeadMatrix<T> dq_head = s.dq_heads[at].rows(x.dq.head(b, h), 0, x.q.rows(b));
+        dq_head.setZero();
+        heads.push_back(
+            {s.q_heads[at](x.q, b, h), dout_head, x.lse_of(b, h), s.delta.row(g).data(), dq_head});
       }
-      const auto head_of = [&](Index g) -> const BackwardHead<T>& {
+      const auto head_of = [&heads](Index g) -> const BackwardHead<T>& {
         return heads[static_cast<std::size_t>(g)];
       };
       // Padding keys (j >= n_k(b)) are never visible: zeros, and no tile reaches them, so
@@ -234,20 +196,14 @@ void run_flash_backward(const KernelPlan& plan,
             k_head, v_head, dk_head, dv_head, head_of, group, mask, softcap, b, kv_head, scale, j0,
             std::min(key_tile, real_keys - j0), query_tile, s.workspace);
       }
-      if constexpr (!widened) {
-        if (real_keys < keys) {
-          dk_head.bottomRows(keys - real_keys).setZero();
-          dv_head.bottomRows(keys - real_keys).setZero();
-        }
+      dk_head.bottomRows(keys - real_keys).setZero();
+      dv_head.bottomRows(keys - real_keys).setZero();
+      for (Index g = 0; g < group; ++g) {
+        s.dq_heads[static_cast<std::size_t>(g)].store(x.dq.head(b, kv_head * group + g), 0,
+                                                      x.q.rows(b));
       }
-      if constexpr (widened) {
-        for (Index g = 0; g < group; ++g) {
-          dq.head(b, kv_head * group + g) =
-              s.dq_heads[static_cast<std::size_t>(g)].template cast<S>();
-        }
-        dk.head(b, kv_head) = s.dk_head.template cast<S>();
-        dv.head(b, kv_head) = s.dv_head.template cast<S>();
-      }
+      s.dk_head.store(x.dk.head(b, kv_head), 0, keys);
+      s.dv_head.store(x.dv.head(b, kv_head), 0, keys);
     });
   });
 }

@@ -19,6 +19,7 @@
 
 #include "attn/config.hpp"
 #include "attn/cpu.hpp"
+#include "attn/dropout.hpp"
 #include "attn/softmax.hpp"
 #include "attn/tensor.hpp"
 
@@ -126,6 +127,32 @@ void score_gradient_row(const T* p, const T* f, T delta, T scale, Index width, T
     d = scale * (probabilities * (ConstRowArray<T>(f, width) * d - delta));
   else
     d = scale * (probabilities * (d - delta));
+}
+
+template <bool a_transposed = false, class T>
+void add_product(const T* a, Index a_stride, Index rows, const T* b, Index b_stride, Index depth,
+                 Index cols, T* c, Index c_stride) {
+  RowsMap<T> sums(c, rows, cols, Eigen::OuterStride<>(c_stride));
+  const ConstRowsMap<T> weights(b, depth, cols, Eigen::OuterStride<>(b_stride));
+  if constexpr (a_transposed)
+    sums.noalias() +=
+        ConstRowsMap<T>(a, depth, rows, Eigen::OuterStride<>(a_stride)).transpose() * weights;
+  else
+    sums.noalias() += ConstRowsMap<T>(a, rows, depth, Eigen::OuterStride<>(a_stride)) * weights;
+}
+
+template <class T>
+void dropout_row(const Dropout<T>& dropout, std::uint32_t row, Index j0, Index keys, Index width,
+                 const T* p, T* f, T* pf) {
+  dropout.factors_for_row(row, j0, keys, f);
+  RowArray<T>(pf, keys) = ConstRowArray<T>(p, keys) * ConstRowArray<T>(f, keys);
+  std::fill(f + keys, f + width, T(0));
+  std::fill(pf + keys, pf + width, T(0));
+}
+
+template <class T>
+void softcap_derivative(const T* raw, Index n, T cap, T* ds) {
+  RowArray<T>(ds, n) *= T(1) - (ConstRowArray<T>(raw, n) * (T(1) / cap)).tanh().square();
 }
 
 // --- Widening ---------------------------------------------------------------------------

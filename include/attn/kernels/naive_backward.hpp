@@ -30,6 +30,7 @@
 #include <Eigen/Core>
 
 #include "attn/config.hpp"
+#include "attn/kernels/backward_views.hpp"
 #include "attn/kernels/item_loop.hpp"
 #include "attn/mask.hpp"
 #include "attn/plan.hpp"
@@ -100,21 +101,12 @@ void scale_score_gradients(const std::optional<T>& softcap, ScoreGradientScratch
 /// written (rows no query sees get zeros). 16-bit inputs are widened per head and the
 /// gradients summed in float, then stored as S.
 template <class S>
-void run_naive_backward(const KernelPlan& plan,
-                        const HeadsView<const S>& q,     // (B, Hq, Lq, D)
-                        const HeadsView<const S>& k,     // (B, Hkv, Lk, D)
-                        const HeadsView<const S>& v,     // (B, Hkv, Lk, Dv)
-                        const HeadsView<const S>& out,   // (B, Hq, Lq, Dv)
-                        const HeadsView<const S>& dout,  // (B, Hq, Lq, Dv)
-                        const compute_scalar_t<S>* lse,  // (B, Hq, Lq)
-                        const HeadsView<S>& dq,          // (B, Hq, Lq, D)
-                        const HeadsView<S>& dk,          // (B, Hkv, Lk, D)
-                        const HeadsView<S>& dv,          // (B, Hkv, Lk, Dv)
+void run_naive_backward(const KernelPlan& plan, const BackwardViews<S>& x,
                         const Mask<compute_scalar_t<S>>& mask,
                         const std::optional<compute_scalar_t<S>>& softcap,
                         compute_scalar_t<S> scale) {
   using T = compute_scalar_t<S>;
-  const Index group = q.heads / k.heads;
+  const Index group = x.group();
   struct Scratch {
     ScoreGradientScratch<T> gradients;
     WidenedHead<T, S> q_head, k_head, v_head, out_head, dout_head;
@@ -122,27 +114,28 @@ void run_naive_backward(const KernelPlan& plan,
   };
   for_each_item(
       plan.work_items, plan.parallel, [] { return Scratch(); },
-      [&](Index item, Scratch& s) {
-        const Index b = item / k.heads, kv_head = item % k.heads;
-        const HeadMatrix<const T> k_head = s.k_head(k, b, kv_head);
-        const HeadMatrix<const T> v_head = s.v_head(v, b, kv_head);
-        s.dk_head.setZero(k.rows(b), k.dim);
-        s.dv_head.setZero(v.rows(b), v.dim);
+      [&](Index i, Scratch& s) {
+        const auto [b, kv_head] = x.item(i);
+        const HeadMatrix<const T> k_head = s.k_head(x.k, b, kv_head);
+        const HeadMatrix<const T> v_head = s.v_head(x.v, b, kv_head);
+        s.dk_head.setZero(x.k.rows(b), x.k.dim);
+        s.dv_head.setZero(x.v.rows(b), x.v.dim);
         for (Index g = 0; g < group; ++g) {
           const Index h = kv_head * group + g;
-          const HeadMatrix<const T> q_head = s.q_head(q, b, h);
-          score_gradients<T>(q_head, k_head, v_head, s.out_head(out, b, h), s.dout_head(dout, b, h),
-                             lse + (b * q.heads + h) * q.length, mask, softcap.has_value(), b, h, 0,
-                             scale, s.gradients);
+          const HeadMatrix<const T> q_head = s.q_head(x.q, b, h);
+          const HeadMatrix<const T> dout_head = s.dout_head(x.dout, b, h);
+          score_gradients<T>(q_head, k_head, v_head, s.out_head(x.out, b, h), dout_head,
+                             x.lse_of(b, h), mask, softcap.has_value(), b, h, 0, scale,
+                             s.gradients);
           scale_score_gradients(softcap, s.gradients);
           const Index keys = s.gradients.ds.cols();
           s.dq_head.noalias() = scale * (s.gradients.ds * k_head.topRows(keys));
           s.dk_head.topRows(keys).noalias() += scale * (s.gradients.ds.transpose() * q_head);
-          s.dv_head.topRows(keys).noalias() += s.gradients.p.transpose() * s.dout_head(dout, b, h);
-          dq.head(b, h) = s.dq_head.template cast<S>();
+          s.dv_head.topRows(keys).noalias() += s.gradients.p.transpose() * dout_head;
+          x.dq.head(b, h) = s.dq_head.template cast<S>();
         }
-        dk.head(b, kv_head) = s.dk_head.template cast<S>();
-        dv.head(b, kv_head) = s.dv_head.template cast<S>();
+        x.dk.head(b, kv_head) = s.dk_head.template cast<S>();
+        x.dv.head(b, kv_head) = s.dv_head.template cast<S>();
       });
 }
 
@@ -150,18 +143,12 @@ void run_naive_backward(const KernelPlan& plan,
 /// written into `dbias` (contiguous, those dims): the score gradients ds summed over the
 /// dimensions the bias broadcasts along. `query_tile` rows at a time.
 template <class S>
-void run_bias_gradient(bool parallel, Index query_tile,
-                       const HeadsView<const S>& q,     // (B, Hq, Lq, D)
-                       const HeadsView<const S>& k,     // (B, Hkv, Lk, D)
-                       const HeadsView<const S>& v,     // (B, Hkv, Lk, Dv)
-                       const HeadsView<const S>& out,   // (B, Hq, Lq, Dv)
-                       const HeadsView<const S>& dout,  // (B, Hq, Lq, Dv)
-                       const compute_scalar_t<S>* lse,  // (B, Hq, Lq)
+void run_bias_gradient(bool parallel, Index query_tile, const BackwardViews<S>& x,
                        const Mask<compute_scalar_t<S>>& mask, compute_scalar_t<S> scale,
                        const std::array<Index, 4>& bias_dims,
                        compute_scalar_t<S>* dbias) {  // bias_dims
   using T = compute_scalar_t<S>;
-  const Index group = q.heads / k.heads, q_length = q.length, k_length = k.length;
+  const Index group = x.group(), q_length = x.q.length;
   const bool per_batch = bias_dims[0] != 1, per_head = bias_dims[1] != 1;
   const bool per_query = bias_dims[2] != 1, per_key = bias_dims[3] != 1;
   const Index tiles = per_query ? std::max<Index>(1, (q_length + query_tile - 1) / query_tile) : 1;
@@ -184,17 +171,16 @@ void run_bias_gradient(bool parallel, Index query_tile,
           std::fill(target + i0 * bias_dims[3], target + i1 * bias_dims[3], T(0));
         else
           std::fill(target, target + slice, T(0));
-        for (Index b = per_batch ? bb : 0; b < (per_batch ? bb + 1 : q.batch); ++b) {
-          for (Index h = per_head ? hh : 0; h < (per_head ? hh + 1 : q.heads); ++h) {
-            const HeadMatrix<const T> k_head = s.k_head(k, b, h / group);
-            const HeadMatrix<const T> v_head = s.v_head(v, b, h / group);
+        for (Index b = per_batch ? bb : 0; b < (per_batch ? bb + 1 : x.q.batch); ++b) {
+          for (Index h = per_head ? hh : 0; h < (per_head ? hh + 1 : x.q.heads); ++h) {
+            const HeadMatrix<const T> k_head = s.k_head(x.k, b, h / group);
+            const HeadMatrix<const T> v_head = s.v_head(x.v, b, h / group);
             for (Index r0 = i0; r0 < i1; r0 += query_tile) {
               const Index n = std::min(query_tile, i1 - r0);
-              score_gradients<T>(rows_as<T, S>(q.head(b, h), r0, n, s.q_rows), k_head, v_head,
-                                 rows_as<T, S>(out.head(b, h), r0, n, s.out_rows),
-                                 rows_as<T, S>(dout.head(b, h), r0, n, s.dout_rows),
-                                 lse + (b * q.heads + h) * q_length + r0, mask, false, b, h, r0,
-                                 scale, s.gradients);
+              score_gradients<T>(rows_as<T, S>(x.q.head(b, h), r0, n, s.q_rows), k_head, v_head,
+                                 rows_as<T, S>(x.out.head(b, h), r0, n, s.out_rows),
+                                 rows_as<T, S>(x.dout.head(b, h), r0, n, s.dout_rows),
+                                 x.lse_of(b, h) + r0, mask, false, b, h, r0, scale, s.gradients);
               const Index keys = s.gradients.ds.cols();
               for (Index r = 0; r < n; ++r) {
                 T* row = target + (per_query ? (r0 + r) * bias_dims[3] : 0);
@@ -204,7 +190,6 @@ void run_bias_gradient(bool parallel, Index query_tile,
             }
           }
         }
-        (void)k_length;
       });
 }
 

@@ -20,6 +20,7 @@
 #include <Eigen/Core>
 
 #include "attn/config.hpp"
+#include "attn/dropout.hpp"
 
 ATTN_BEGIN_TARGET_AVX2
 namespace attn::detail::avx2 {
@@ -195,6 +196,36 @@ inline vec exp_shifted(vec x, vec shift) {
   const ivec power = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);  // 2^n
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(power)), normal);
+}
+
+/// a / b, correctly rounded.
+inline vec divide(vec a, vec b) {
+  return _mm256_div_ps(a, b);
+}
+/// |x| (the sign bit cleared).
+inline vec absolute(vec x) {
+  return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+}
+
+/// [start, start + step, ..., start + 7 step] (mod 2^32).
+inline ivec counters(std::uint32_t start, std::uint32_t step) {
+  const ivec lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(start)),
+                          _mm256_mullo_epi32(lane, _mm256_set1_epi32(static_cast<int>(step))));
+}
+/// MurmurHash3's fmix32 in every lane (Dropout::mix32).
+inline ivec mix32(ivec x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x85EBCA6Bu)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0xC2B2AE35u)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+/// value in the lanes where x >= threshold (unsigned: max(x, threshold) == x), 0 elsewhere.
+inline vec where_at_least(ivec x, std::uint32_t threshold, vec value) {
+  const ivec at_least =
+      _mm256_cmpeq_epi32(_mm256_max_epu32(x, _mm256_set1_epi32(static_cast<int>(threshold))), x);
+  return _mm256_and_ps(_mm256_castsi256_ps(at_least), value);
 }
 
 /// Requests the cache line at `address`: a hint, which never faults.

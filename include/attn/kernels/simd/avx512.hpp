@@ -19,6 +19,7 @@
 #include <Eigen/Core>
 
 #include "attn/config.hpp"
+#include "attn/dropout.hpp"
 
 ATTN_BEGIN_TARGET_AVX512
 namespace attn::detail::avx512 {
@@ -145,6 +146,14 @@ inline vec load_widened(const Eigen::bfloat16* src) {
 inline vec fmsub(vec a, vec b, vec c) {
   return _mm512_fmsub_ps(a, b, c);
 }
+/// a / b, correctly rounded.
+inline vec divide(vec a, vec b) {
+  return _mm512_div_ps(a, b);
+}
+/// |x| (the sign bit cleared).
+inline vec absolute(vec x) {
+  return _mm512_abs_ps(x);
+}
 /// a * b - c in the even lanes, a * b + c in the odd ones (one rounding each).
 inline vec fmaddsub(vec a, vec b, vec c) {
   return _mm512_fmaddsub_ps(a, b, c);
@@ -222,6 +231,26 @@ inline vec exp_shifted(vec x, vec shift) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_maskz_scalef_ps(normal, p, n);
+}
+
+/// [start, start + step, ..., start + 15 step] (mod 2^32).
+inline ivec counters(std::uint32_t start, std::uint32_t step) {
+  const ivec lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(start)),
+                          _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(step))));
+}
+/// MurmurHash3's fmix32 in every lane (Dropout::mix32).
+inline ivec mix32(ivec x) {
+  x = _mm512_xor_si512(x, _mm512_maskz_srli_epi32(all_lanes, x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x85EBCA6Bu)));
+  x = _mm512_xor_si512(x, _mm512_maskz_srli_epi32(all_lanes, x, 13));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0xC2B2AE35u)));
+  return _mm512_xor_si512(x, _mm512_maskz_srli_epi32(all_lanes, x, 16));
+}
+/// value in the lanes where x >= threshold (unsigned), 0 in the others.
+inline vec where_at_least(ivec x, std::uint32_t threshold, vec value) {
+  return _mm512_maskz_mov_ps(
+      _mm512_cmpge_epu32_mask(x, _mm512_set1_epi32(static_cast<int>(threshold))), value);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)

@@ -65,9 +65,10 @@ inline vec max_tree(const vec* x) {
 }
 
 /// st[r, 0:C lanes) = sum_d k[r, d] * qt[d, 0:C lanes) for r < R: an (R x C vectors) register
-/// block. With `column_max`, also column_max = max(column_max, max_r st[r, :]) while the
-/// block is still in registers.
-template <std::size_t R, std::size_t C>
+/// block (`accumulating`: st[r, :] += that sum, in the same order; `k_transposed`: k[r, d] is
+/// read at k[d * k_stride + r], a column of a row-major (D, R) block). With `column_max`, also
+/// column_max = max(column_max, max_r st[r, :]) while the block is still in registers.
+template <std::size_t R, std::size_t C, bool accumulating = false, bool k_transposed = false>
 inline void scores_block(const float* k, Index k_stride,    // (R, D) rows of k
                          const float* qt, Index qt_stride,  // (D, C lanes) columns of qt
                          Index dim, float* st, Index st_stride,
@@ -76,8 +77,11 @@ inline void scores_block(const float* k, Index k_stride,    // (R, D) rows of k
 #pragma GCC unroll 16
   for (std::size_t r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (std::size_t c = 0; c < C; ++c)
-      acc[r][c] = zero();
+    for (std::size_t c = 0; c < C; ++c) {
+      acc[r][c] = accumulating
+                      ? load(st + static_cast<Index>(r) * st_stride + lanes * static_cast<Index>(c))
+                      : zero();
+    }
   }
   // unrolled by 4: at D = 64 a call is only ~800 cycles, so its loop overhead and exit count
 #pragma GCC unroll 4
@@ -88,7 +92,8 @@ inline void scores_block(const float* k, Index k_stride,    // (R, D) rows of k
       q[c] = load(qt + d * qt_stride + lanes * static_cast<Index>(c));
 #pragma GCC unroll 16
     for (std::size_t r = 0; r < R; ++r) {
-      const vec key = set1(k[static_cast<Index>(r) * k_stride + d]);
+      const vec key = set1(k_transposed ? k[d * k_stride + static_cast<Index>(r)]
+                                        : k[static_cast<Index>(r) * k_stride + d]);
 #pragma GCC unroll 4
       for (std::size_t c = 0; c < C; ++c)
         acc[r][c] = fmadd(key, q[c], acc[r][c]);
@@ -114,13 +119,17 @@ inline void scores_block(const float* k, Index k_stride,    // (R, D) rows of k
 }
 
 /// scores_block for `rows` (1 .. R) keys.
-template <std::size_t C, std::size_t R = static_cast<std::size_t>(score_rows)>
+template <std::size_t C, std::size_t R = static_cast<std::size_t>(score_rows),
+          bool accumulating = false, bool k_transposed = false>
 inline void scores_rows(Index rows, const float* k, Index k_stride, const float* qt,
                         Index qt_stride, Index dim, float* st, Index st_stride, float* column_max) {
   if constexpr (R > 0) {
-    if (rows == static_cast<Index>(R))
-      return scores_block<R, C>(k, k_stride, qt, qt_stride, dim, st, st_stride, column_max);
-    scores_rows<C, R - 1>(rows, k, k_stride, qt, qt_stride, dim, st, st_stride, column_max);
+    if (rows == static_cast<Index>(R)) {
+      return scores_block<R, C, accumulating, k_transposed>(k, k_stride, qt, qt_stride, dim, st,
+                                                            st_stride, column_max);
+    }
+    scores_rows<C, R - 1, accumulating, k_transposed>(rows, k, k_stride, qt, qt_stride, dim, st,
+                                                      st_stride, column_max);
   }
 }
 
@@ -326,23 +335,6 @@ inline void accumulate(const float* st, Index st_stride, Index keys, Index width
   }
 }
 
-// --- Flash backward ----------------------------------------------------------------------
-
-/// ds[c] = scale * (p[c] * (ds[c] - delta)) for c < width (a multiple of lanes), or with the
-/// dropout factors f, scale * (p[c] * (f[c] * ds[c] - delta)): one row of score gradients.
-/// In vectors here, since GCC's -O2 does not vectorise the plain loop (it would need a
-/// runtime aliasing check).
-inline void score_gradient_row(const float* p, const float* f, float delta, float scale,
-                               Index width, float* ds) {
-  const vec minus_delta = set1(-delta), scale_vector = set1(scale);
-  for (Index c = 0; c < width; c += lanes) {
-    vec x = load(ds + c);
-    if (f != nullptr)
-      x = mul(load(f + c), x);
-    store(ds + c, mul(scale_vector, mul(load(p + c), add(x, minus_delta))));
-  }
-}
-
 // --- Widening ---------------------------------------------------------------------------
 
 /// dst[0:n) = src[0:n) as float (exact for half and bfloat16).
@@ -377,21 +369,29 @@ inline void dot_block(const float* q, Index q_stride,  // (Rb, dim)
                       Index dim, float* s, Index s_stride) {
   static_assert(Kb == 1 || Kb == 4, "dot_block: 1 or 4 keys");
   vec acc[static_cast<std::size_t>(Rb)][static_cast<std::size_t>(Kb)];
-  for (int r = 0; r < Rb; ++r)
+// Unrolled by pragmas: GCC's -O2 keeps a loop over R rolled and acc in memory otherwise.
+#pragma GCC unroll 4
+  for (int r = 0; r < Rb; ++r) {
+#pragma GCC unroll 4
     for (int j = 0; j < Kb; ++j)
       acc[r][j] = zero();
+  }
   for (Index d = 0; d < dim; d += lanes) {
     vec key[static_cast<std::size_t>(Kb)];
+#pragma GCC unroll 4
     for (int j = 0; j < Kb; ++j) {
       key[j] = load_widened(k + j * k_stride + d);
       prefetch_element(k, (j + prefetch_keys) * k_stride + d);
     }
+#pragma GCC unroll 4
     for (int r = 0; r < Rb; ++r) {
       const vec query = load(q + r * q_stride + d);
+#pragma GCC unroll 4
       for (int j = 0; j < Kb; ++j)
         acc[r][j] = fmadd(query, key[j], acc[r][j]);
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < Rb; ++r) {
     if constexpr (Kb == 4)
       sum_each4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s + r * s_stride);
@@ -533,26 +533,34 @@ inline void weighted_sum_block(const float* p, Index p_stride,  // (Rb, keys)
                                Index keys, const float* alpha, bool first, float* acc,
                                Index acc_stride) {  // (Rb, C lanes)
   vec sum[static_cast<std::size_t>(Rb)][static_cast<std::size_t>(C)];
+#pragma GCC unroll 4  // as in dot_block
   for (int r = 0; r < Rb; ++r) {
     const vec rescale = set1(first ? 0.0f : alpha[r]);
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c)
       sum[r][c] = first ? zero() : mul(load(acc + r * acc_stride + lanes * c), rescale);
   }
   for (Index j = 0; j < keys; ++j) {
     vec value[static_cast<std::size_t>(C)];
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
       value[c] = load_widened(v + j * v_stride + lanes * c);
       prefetch_element(v, (j + prefetch_keys) * v_stride + lanes * c);
     }
+#pragma GCC unroll 4
     for (int r = 0; r < Rb; ++r) {
       const vec weight = set1(p[r * p_stride + j]);
+#pragma GCC unroll 4
       for (int c = 0; c < C; ++c)
         sum[r][c] = fmadd(weight, value[c], sum[r][c]);
     }
   }
-  for (int r = 0; r < Rb; ++r)
+#pragma GCC unroll 4
+  for (int r = 0; r < Rb; ++r) {
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c)
       store(acc + r * acc_stride + lanes * c, sum[r][c]);
+  }
 }
 
 template <int Rb, class S, int C = static_cast<int>(decode_vectors)>
@@ -581,7 +589,7 @@ inline void weighted_sum_tails(const float* p, Index p_stride, Index rows, const
     for (Index r = 0; r < rows; ++r) {
       float* row = acc + r * acc_stride;
       vec sum = zero();
-      if (j0 > 0)
+      if (j0 > 0 || (!first && alpha == nullptr))  // alpha null: added to as it is
         sum = load_first(row, width);
       else if (!first)
         sum = mul(load_first(row, width), set1(alpha[r]));
@@ -627,5 +635,103 @@ inline void weighted_sum(const float* p, Index p_stride, Index rows,  // (rows, 
   if (vector_dim < value_dim) {
     weighted_sum_tails(p, p_stride, rows, v + vector_dim, v_stride, keys, value_dim - vector_dim,
                        alpha, first, acc + vector_dim, acc_stride);
+  }
+}
+
+// --- Flash backward ----------------------------------------------------------------------
+
+/// c[0:rows, 0:cols) += a[0:rows, 0:depth) b[0:depth, 0:cols): the rows of a weight the rows
+/// of b (dq += ds k); with `a_transposed`, a is read as the transpose of a row-major
+/// (depth, rows) block, a[r, d] at a[d * a_stride + r] (dk += ds^T q, dv += p^T dout). The
+/// scores register blocks, b read in place and each a[r, d] broadcast; columns outside, so
+/// that a (depth x 2 vectors) block of b stays in L1 while every row block of c uses it. The
+/// columns past the last whole vector: weighted_sum_tails, or plain loops when transposed.
+/// Each element is summed in the order d = 0, 1, ... onto its old value.
+template <bool a_transposed = false>
+inline void add_product(const float* a, Index a_stride, Index rows,   // (rows, depth)
+                        const float* b, Index b_stride, Index depth,  // (depth, cols)
+                        Index cols, float* c, Index c_stride) {       // (rows, cols)
+  constexpr Index block_width = score_vectors * lanes;
+  constexpr auto block_vectors = static_cast<std::size_t>(score_vectors);
+  constexpr auto block_rows = static_cast<std::size_t>(score_rows);
+  const Index vector_cols = cols / lanes * lanes;
+  const auto a_rows = [&](Index r) { return a_transposed ? a + r : a + r * a_stride; };
+  for (Index c0 = 0; c0 < vector_cols; c0 += block_width) {
+    const bool whole = c0 + block_width <= vector_cols;
+    for (Index r = 0; r < rows; r += score_rows) {
+      const Index n = std::min(score_rows, rows - r);
+      float* c_block = c + r * c_stride + c0;
+      if (whole) {
+        scores_rows<block_vectors, block_rows, true, a_transposed>(
+            n, a_rows(r), a_stride, b + c0, b_stride, depth, c_block, c_stride, nullptr);
+      } else {
+        for (Index c1 = 0; c0 + c1 < vector_cols; c1 += lanes) {
+          scores_rows<1, block_rows, true, a_transposed>(n, a_rows(r), a_stride, b + c0 + c1,
+                                                         b_stride, depth, c_block + c1, c_stride,
+                                                         nullptr);
+        }
+      }
+    }
+  }
+  if (vector_cols == cols)
+    return;
+  if constexpr (a_transposed) {
+    for (Index r = 0; r < rows; ++r) {
+      for (Index e = vector_cols; e < cols; ++e) {
+        float sum = c[r * c_stride + e];
+        for (Index d = 0; d < depth; ++d)
+          sum += a[d * a_stride + r] * b[d * b_stride + e];
+        c[r * c_stride + e] = sum;
+      }
+    }
+  } else {
+    weighted_sum_tails(a, a_stride, rows, b + vector_cols, b_stride, depth, cols - vector_cols,
+                       static_cast<const float*>(nullptr), false, c + vector_cols, c_stride);
+  }
+}
+
+/// ds[c] = scale * (p[c] * (ds[c] - delta)) for c < width (a multiple of lanes), or with the
+/// dropout factors f, scale * (p[c] * (f[c] * ds[c] - delta)): one row of score gradients.
+/// In vectors here, since GCC's -O2 does not vectorise the plain loop (it would need a
+/// runtime aliasing check).
+inline void score_gradient_row(const float* p, const float* f, float delta, float scale,
+                               Index width, float* ds) {
+  const vec minus_delta = set1(-delta), scale_vector = set1(scale);
+  for (Index c = 0; c < width; c += lanes) {
+    vec x = load(ds + c);
+    if (f != nullptr)
+      x = mul(load(f + c), x);
+    store(ds + c, mul(scale_vector, mul(load(p + c), add(x, minus_delta))));
+  }
+}
+
+/// f[c] = the dropout factor of key j0 + c of the row whose key is `row` (1 / (1 - p) when
+/// kept, 0 when dropped: Dropout::factors_for_row's bits) for c < keys, 0 for keys <= c <
+/// width (a multiple of lanes); pf[c] = p[c] * f[c]. The hashes in vectors: the plain loop
+/// vectorises at -O3 only.
+inline void dropout_row(const Dropout<float>& dropout, std::uint32_t row, Index j0, Index keys,
+                        Index width, const float* p, float* f, float* pf) {
+  constexpr std::uint32_t step = Dropout<float>::key_step;
+  const vec scale = set1(dropout.scale());
+  const std::uint32_t threshold = dropout.threshold();
+  for (Index c = 0; c < width; c += lanes) {
+    const std::uint32_t first = row + static_cast<std::uint32_t>(j0 + c) * step;
+    const vec factor = where_at_least(mix32(counters(first, step)), threshold, scale);
+    store(f + c, factor);
+    store(pf + c, mul(load(p + c), factor));
+  }
+  std::fill(f + keys, f + width, 0.0f);
+  std::fill(pf + keys, pf + width, 0.0f);
+}
+
+/// ds[e] *= 1 - tanh^2(raw[e] / cap) for e < n (a multiple of lanes): the derivative of
+/// cap tanh(s / cap), as 4 u / (1 + u)^2 with u = exp(-2 |raw| / cap) in (0, 1] (no tanh,
+/// and no cancellation where tanh is near 1; 0 where u is below the smallest normal float).
+inline void softcap_derivative(const float* raw, Index n, float cap, float* ds) {
+  const vec factor = set1(-2.0f / cap), one = set1(1.0f), four = set1(4.0f);
+  for (Index e = 0; e < n; e += lanes) {
+    const vec u = exp_shifted(mul(factor, absolute(load(raw + e))), zero());
+    const vec sum = add(one, u);
+    store(ds + e, mul(load(ds + e), divide(mul(four, u), mul(sum, sum))));
   }
 }
