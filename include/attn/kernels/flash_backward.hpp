@@ -9,16 +9,16 @@
 //
 // Inside an item, FlashAttention-2's order: for each key tile (Bk keys), for each query head
 // of the group and each query tile (Bq rows) the mask does not hide on it, the tile step of
-// kernels/flash_backward.inl. dk and dv of a key tile are summed in scratch and written once;
-// dq is summed in the output over the key tiles (FlashAttention-2 parallelises over key tiles
-// and sums dq with atomics; here one item owns a whole kv head and its query heads instead,
+// kernels/flash_backward.inl. dk and dv of a key tile are summed in place in its rows over
+// the query tiles, dq in the output over the key tiles (FlashAttention-2 parallelises over key
+// tiles and sums dq with atomics; here one item owns a whole kv head and its query heads instead,
 // so the order is fixed).
 //
-// Extra memory per thread: 2 W (D + Dv) + 3 Bq W + 3 Bq + W scalars for the tiles (2 Bq W
-// without softcap, one more Bq W with dropout; W = Bk rounded up to whole vectors) and G * Lq
-// for the rows' deltas, independent of Lk and only G * Lq scalars in Lq: 353 KiB at the
-// default Bq = 64, Bk = 128, D = Dv = 128 (a key tile of 128 halves the passes over q, dout
-// and dq that a tile of 64 makes: at L = 4096 they no longer fit in L2). With
+// Extra memory per thread: W (D + Dv) + 3 Bq W + 2 Bq scalars for the tiles (2 Bq W without
+// softcap, one more Bq W with dropout; W = Bk rounded up to whole vectors) and G * Lq for the
+// rows' deltas, independent of Lk and only G * Lq scalars in Lq: 225 KiB at the default
+// Bq = 64, Bk = 128, D = Dv = 128 (a key tile of 128 halves the passes over q, dout and dq
+// that a tile of 64 makes: at L = 4096 they no longer fit in L2). With
 // 16-bit storage add one widened head of each of q, out and dout (Lq, D + 2 Dv) per query
 // head of the group, of k and v (Lk, D + Dv), and float accumulators for dq (G Lq, D) and
 // dk, dv (Lk, D + Dv).
@@ -54,17 +54,15 @@ namespace attn::detail {
 template <class T>
 struct BackwardWorkspace {
   Index width = 0, rows = 0;
-  Scratch<T> kt, vt, dkt, dvt;   // (D, W), (Dv, W), (D, W), (Dv, W)
-  Scratch<T> s, dp, raw, drop;   // (Bq, W) each; raw with softcap, drop with dropout
-  Scratch<T> shift, sums, ones;  // (Bq), (Bq), (max(W, Bq))
+  Scratch<T> kt, vt;            // (D, W), (Dv, W)
+  Scratch<T> s, dp, raw, drop;  // (Bq, W) each; raw with softcap, drop with dropout
+  Scratch<T> shift, sums;       // (Bq), (Bq)
 
   void reserve(Index w, Index bq, Index dim, Index value_dim, bool softcap, bool dropout) {
     width = w;
     rows = bq;
     kt.resize(dim, w);
     vt.resize(value_dim, w);
-    dkt.resize(dim, w);
-    dvt.resize(value_dim, w);
     s.resize(bq, w);
     dp.resize(bq, w);
     if (softcap)
@@ -73,8 +71,6 @@ struct BackwardWorkspace {
       drop.resize(bq, w);
     shift.resize(bq);
     sums.resize(bq);
-    ones.resize(std::max(w, bq));
-    std::fill_n(ones.data(), std::max(w, bq), T(1));
   }
 };
 

@@ -5,21 +5,21 @@
 // No include guard and no #include: kernels/flash_backward.hpp includes this file inside
 // namespace attn::detail::generic, attn::detail::avx2 and attn::detail::avx512 (in their
 // target regions), after the forward's online_softmax.inl. It uses that namespace's tile
-// products (pack_queries, scores, exp_rows, accumulate, add_product, score_gradient_row,
-// dropout_row, softcap_derivative, padded), here with the keys of a tile along the vector
-// lanes and the queries on the rows:
+// products (pack_queries, scores, exp_rows, add_product, score_gradient_row, dropout_row,
+// softcap_derivative, padded), here with the keys of a tile along the vector lanes and the
+// queries on the rows:
 //
 //   kt, vt    (D, W), (Dv, W)   scale * k tile^T and v tile^T, packed once per key tile
 //   s         (Bq, W)           scores -> p of one query tile
 //   dp        (Bq, W)           dout v^T -> scale * ds
-//   dkt, dvt  (D, W), (Dv, W)   dk and dv of the key tile, transposed, summed over the query
-//                               tiles and the query heads of the group
 //   q, dout   read in place, not transposed, not packed (each element broadcast)
+//   dk, dv    the key tile's rows, summed in place over the query tiles and the query heads
+//             of the group
 //
-// so that every product is one of the forward's register-blocked kernels:
+// so that every product is the forward's scores register block (scores_block):
 //   s = q kt,  dp = dout vt              (scores: a row of q times the rows of kt)
-//   dvt += dout^T p,  dkt += q^T ds      (accumulate: the transposed-output product)
 //   dq += ds k                           (add_product: the rows of ds weight the rows of k)
+//   dv += (p f)^T dout,  dk += ds^T q    (add_product, the columns of p and ds as weights)
 // For the rows i of a query tile and the keys j of the key tile (z = the masked, modified
 // scores; lse_i saved by the forward, delta_i = dout_i . out_i):
 //   p_ij  = exp(z_ij - lse_i)
@@ -40,10 +40,10 @@ struct BackwardKernels {
   ///           hide on this key tile:
   ///             s = q kt, masked as in the forward (and -inf in the padding columns);
   ///             p = exp(s - lse) (a row whose lse is -inf sees only -inf scores: shift 0)
-  ///             dvt += dout^T (p f)   (f: the dropout's factors, regenerated; 1 without)
+  ///             dv += (p f)^T dout   (f: the dropout's factors, regenerated; 1 without)
   ///             dp = dout vt;  ds = scale * p (f dp - delta) (* the softcap factor)
-  ///             dkt += q^T ds;  dq += ds k
-  ///   pass 3: dk = dkt^T, dv = dvt^T (zeros if no query sees the tile)
+  ///             dk += ds^T q;  dq += ds k
+  ///   dk and dv of the tile start at zero (and stay zero if no query sees the tile).
   template <class T, class Heads>
   static void backward_key_tile(const HeadMatrix<const T>& k,  // (Lk, D)   the whole kv head
                                 const HeadMatrix<const T>& v,  // (Lk, Dv)
@@ -59,16 +59,16 @@ struct BackwardKernels {
     ATTN_ASSERT(keys > 0 && width <= workspace.width && query_tile <= workspace.rows);
     T* kt = workspace.kt.data();
     T* vt = workspace.vt.data();
-    T* dkt = workspace.dkt.data();
-    T* dvt = workspace.dvt.data();
     T* s = workspace.s.data();
     T* dp = workspace.dp.data();
     T* shift = workspace.shift.data();
-    const T* ones = workspace.ones.data();
     const T* k_tile = row_of(k, j0);
+    T* dk_tile = row_of(dk, j0);
+    T* dv_tile = row_of(dv, j0);
     pack_queries(k_tile, k.outerStride(), keys, dim, scale, kt, stride, width);  // pass 1
     pack_queries(row_of(v, j0), v.outerStride(), keys, value_dim, T(1), vt, stride, width);
-    bool first = true;
+    dk.middleRows(j0, keys).setZero();
+    dv.middleRows(j0, keys).setZero();
     for (Index g = 0; g < group; ++g) {  // pass 2
       const Index h = kv_head * group + g;
       auto head = heads(g);  // the maps, by value
@@ -96,12 +96,9 @@ struct BackwardKernels {
             dropout_row(dropout, dropout.row_key(b, h, i0 + r), j0, keys, width, s + r * stride,
                         workspace.drop.data() + r * stride, dp + r * stride);
           }
-          accumulate(dp, stride, rows, width, dout_rows, head.dout.outerStride(), value_dim,
-                     first ? nullptr : ones, dvt, stride);
-        } else {
-          accumulate(s, stride, rows, width, dout_rows, head.dout.outerStride(), value_dim,
-                     first ? nullptr : ones, dvt, stride);
         }
+        add_product<true>(dropout.active() ? dp : s, stride, keys, dout_rows,
+                          head.dout.outerStride(), rows, value_dim, dv_tile, dv.outerStride());
         if (value_dim > 0) {
           scores(dout_rows, head.dout.outerStride(), rows, vt, stride, value_dim, width, dp, stride,
                  static_cast<T*>(nullptr));
@@ -115,22 +112,11 @@ struct BackwardKernels {
         }
         if (softcap)
           softcap_derivative(workspace.raw.data(), rows * stride, *softcap, dp);
-        accumulate(dp, stride, rows, width, q_rows, head.q.outerStride(), dim,
-                   first ? nullptr : ones, dkt, stride);
+        add_product<true>(dp, stride, keys, q_rows, head.q.outerStride(), rows, dim, dk_tile,
+                          dk.outerStride());
         add_product(dp, stride, rows, k_tile, k.outerStride(), keys, dim, row_of(head.dq, i0),
                     head.dq.outerStride());
-        first = false;
       }
-    }
-    if (first) {  // pass 3: no query sees the tile
-      dk.middleRows(j0, keys).setZero();
-      dv.middleRows(j0, keys).setZero();
-    } else {  // pass 3: the transposes, by pack_queries with scale 1 (exact)
-      if (dim > 0)
-        pack_queries(dkt, stride, dim, keys, T(1), row_of(dk, j0), dk.outerStride(), dim);
-      if (value_dim > 0)
-        pack_queries(dvt, stride, value_dim, keys, T(1), row_of(dv, j0), dv.outerStride(),
-                     value_dim);
     }
   }
 

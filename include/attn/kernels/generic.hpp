@@ -129,12 +129,16 @@ void score_gradient_row(const T* p, const T* f, T delta, T scale, Index width, T
     d = scale * (probabilities * (d - delta));
 }
 
-template <class T>
+template <bool a_transposed = false, class T>
 void add_product(const T* a, Index a_stride, Index rows, const T* b, Index b_stride, Index depth,
                  Index cols, T* c, Index c_stride) {
-  RowsMap<T>(c, rows, cols, Eigen::OuterStride<>(c_stride)).noalias() +=
-      ConstRowsMap<T>(a, rows, depth, Eigen::OuterStride<>(a_stride)) *
-      ConstRowsMap<T>(b, depth, cols, Eigen::OuterStride<>(b_stride));
+  RowsMap<T> sums(c, rows, cols, Eigen::OuterStride<>(c_stride));
+  const ConstRowsMap<T> weights(b, depth, cols, Eigen::OuterStride<>(b_stride));
+  if constexpr (a_transposed)
+    sums.noalias() +=
+        ConstRowsMap<T>(a, depth, rows, Eigen::OuterStride<>(a_stride)).transpose() * weights;
+  else
+    sums.noalias() += ConstRowsMap<T>(a, rows, depth, Eigen::OuterStride<>(a_stride)) * weights;
 }
 
 template <class T>

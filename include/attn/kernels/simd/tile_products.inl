@@ -65,9 +65,10 @@ inline vec max_tree(const vec* x) {
 }
 
 /// st[r, 0:C lanes) = sum_d k[r, d] * qt[d, 0:C lanes) for r < R: an (R x C vectors) register
-/// block (`accumulating`: st[r, :] += that sum, in the same order). With `column_max`, also
+/// block (`accumulating`: st[r, :] += that sum, in the same order; `k_transposed`: k[r, d] is
+/// read at k[d * k_stride + r], a column of a row-major (D, R) block). With `column_max`, also
 /// column_max = max(column_max, max_r st[r, :]) while the block is still in registers.
-template <std::size_t R, std::size_t C, bool accumulating = false>
+template <std::size_t R, std::size_t C, bool accumulating = false, bool k_transposed = false>
 inline void scores_block(const float* k, Index k_stride,    // (R, D) rows of k
                          const float* qt, Index qt_stride,  // (D, C lanes) columns of qt
                          Index dim, float* st, Index st_stride,
@@ -91,7 +92,8 @@ inline void scores_block(const float* k, Index k_stride,    // (R, D) rows of k
       q[c] = load(qt + d * qt_stride + lanes * static_cast<Index>(c));
 #pragma GCC unroll 16
     for (std::size_t r = 0; r < R; ++r) {
-      const vec key = set1(k[static_cast<Index>(r) * k_stride + d]);
+      const vec key = set1(k_transposed ? k[d * k_stride + static_cast<Index>(r)]
+                                        : k[static_cast<Index>(r) * k_stride + d]);
 #pragma GCC unroll 4
       for (std::size_t c = 0; c < C; ++c)
         acc[r][c] = fmadd(key, q[c], acc[r][c]);
@@ -118,16 +120,16 @@ inline void scores_block(const float* k, Index k_stride,    // (R, D) rows of k
 
 /// scores_block for `rows` (1 .. R) keys.
 template <std::size_t C, std::size_t R = static_cast<std::size_t>(score_rows),
-          bool accumulating = false>
+          bool accumulating = false, bool k_transposed = false>
 inline void scores_rows(Index rows, const float* k, Index k_stride, const float* qt,
                         Index qt_stride, Index dim, float* st, Index st_stride, float* column_max) {
   if constexpr (R > 0) {
     if (rows == static_cast<Index>(R)) {
-      return scores_block<R, C, accumulating>(k, k_stride, qt, qt_stride, dim, st, st_stride,
-                                              column_max);
+      return scores_block<R, C, accumulating, k_transposed>(k, k_stride, qt, qt_stride, dim, st,
+                                                            st_stride, column_max);
     }
-    scores_rows<C, R - 1, accumulating>(rows, k, k_stride, qt, qt_stride, dim, st, st_stride,
-                                        column_max);
+    scores_rows<C, R - 1, accumulating, k_transposed>(rows, k, k_stride, qt, qt_stride, dim, st,
+                                                      st_stride, column_max);
   }
 }
 
@@ -639,11 +641,13 @@ inline void weighted_sum(const float* p, Index p_stride, Index rows,  // (rows, 
 // --- Flash backward ----------------------------------------------------------------------
 
 /// c[0:rows, 0:cols) += a[0:rows, 0:depth) b[0:depth, 0:cols): the rows of a weight the rows
-/// of b (dq += ds k). scores_block's register blocks, b read in place and each a[r, d]
-/// broadcast: a row of b serves score_rows rows of c, where weighted_sum's blocks (which
-/// prefetch, for decode's streamed values) would read it from L2 for every decode_rows rows.
-/// The columns past the last whole vector go through weighted_sum_tails. Each element is
-/// summed in the order d = 0, 1, ... onto its old value, as weighted_sum does.
+/// of b (dq += ds k); with `a_transposed`, a is read as the transpose of a row-major
+/// (depth, rows) block, a[r, d] at a[d * a_stride + r] (dk += ds^T q, dv += p^T dout). The
+/// scores register blocks, b read in place and each a[r, d] broadcast; columns outside, so
+/// that a (depth x 2 vectors) block of b stays in L1 while every row block of c uses it. The
+/// columns past the last whole vector: weighted_sum_tails, or plain loops when transposed.
+/// Each element is summed in the order d = 0, 1, ... onto its old value.
+template <bool a_transposed = false>
 inline void add_product(const float* a, Index a_stride, Index rows,   // (rows, depth)
                         const float* b, Index b_stride, Index depth,  // (depth, cols)
                         Index cols, float* c, Index c_stride) {       // (rows, cols)
@@ -651,25 +655,36 @@ inline void add_product(const float* a, Index a_stride, Index rows,   // (rows, 
   constexpr auto block_vectors = static_cast<std::size_t>(score_vectors);
   constexpr auto block_rows = static_cast<std::size_t>(score_rows);
   const Index vector_cols = cols / lanes * lanes;
-  // columns outside: a column block of b (depth x block_width) stays in L1 for all the rows
+  const auto a_rows = [&](Index r) { return a_transposed ? a + r : a + r * a_stride; };
   for (Index c0 = 0; c0 < vector_cols; c0 += block_width) {
     const bool whole = c0 + block_width <= vector_cols;
     for (Index r = 0; r < rows; r += score_rows) {
       const Index n = std::min(score_rows, rows - r);
-      const float* a_rows = a + r * a_stride;
       float* c_block = c + r * c_stride + c0;
       if (whole) {
-        scores_rows<block_vectors, block_rows, true>(n, a_rows, a_stride, b + c0, b_stride, depth,
-                                                     c_block, c_stride, nullptr);
+        scores_rows<block_vectors, block_rows, true, a_transposed>(
+            n, a_rows(r), a_stride, b + c0, b_stride, depth, c_block, c_stride, nullptr);
       } else {
         for (Index c1 = 0; c0 + c1 < vector_cols; c1 += lanes) {
-          scores_rows<1, block_rows, true>(n, a_rows, a_stride, b + c0 + c1, b_stride, depth,
-                                           c_block + c1, c_stride, nullptr);
+          scores_rows<1, block_rows, true, a_transposed>(n, a_rows(r), a_stride, b + c0 + c1,
+                                                         b_stride, depth, c_block + c1, c_stride,
+                                                         nullptr);
         }
       }
     }
   }
-  if (vector_cols < cols) {
+  if (vector_cols == cols)
+    return;
+  if constexpr (a_transposed) {
+    for (Index r = 0; r < rows; ++r) {
+      for (Index e = vector_cols; e < cols; ++e) {
+        float sum = c[r * c_stride + e];
+        for (Index d = 0; d < depth; ++d)
+          sum += a[d * a_stride + r] * b[d * b_stride + e];
+        c[r * c_stride + e] = sum;
+      }
+    }
+  } else {
     weighted_sum_tails(a, a_stride, rows, b + vector_cols, b_stride, depth, cols - vector_cols,
                        static_cast<const float*>(nullptr), false, c + vector_cols, c_stride);
   }
