@@ -18,6 +18,8 @@
 #include <attn/multihead.hpp>
 #include <attn/projection.hpp>
 
+#include "support/instances.hpp"
+
 #include "support/fixtures.hpp"
 
 using attn::Index;

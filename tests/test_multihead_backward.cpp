@@ -16,6 +16,8 @@
 #include <attn/multihead.hpp>
 #include <attn/rope.hpp>
 
+#include "support/instances.hpp"
+
 #include "support/fixtures.hpp"
 
 using attn::Index;

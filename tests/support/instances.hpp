@@ -58,24 +58,32 @@
       const attn::AttentionOptions<attn::compute_scalar_t<S>>&, attn::compute_scalar_t<S>*, \
       attn::compute_scalar_t<S>*)
 
-// tests/instances/attention_float.cpp: float, the scalar of every instruction set's vector kernels.
+// tests/instances/float_kernels.cpp: every instantiation that runs the float vector kernels,
+// in one unit. Their building blocks (kernels/simd/tile_products.inl) are inline functions,
+// compiled again by every unit that reaches them, so three units (float, 16-bit, backward)
+// compiled them three times (docs/testing.md, "The CI tree").
+//
+// float, the scalar of every instruction set's vector kernels.
 #define ATTN_TEST_INSTANCES_FLOAT(X)               \
   X ATTN_TEST_ATTENTION_INTO(float, float, float); \
   X ATTN_TEST_VARLEN_INTO(float, float, float);    \
   X ATTN_TEST_DECODE(float, float);
 
-// tests/instances/attention_double.cpp: double.
+// tests/instances/attention_double.cpp: double, which runs the generic kernels only, forward
+// and backward.
 #define ATTN_TEST_INSTANCES_DOUBLE(X)                 \
   X ATTN_TEST_ATTENTION_INTO(double, double, double); \
   X ATTN_TEST_VARLEN_INTO(double, double, double);    \
-  X ATTN_TEST_DECODE(double, double);
+  X ATTN_TEST_DECODE(double, double);                 \
+  X ATTN_TEST_BACKWARD(double);
 
-// tests/instances/attention_16bit.cpp: 16-bit storage, alone and mixed with float.
+// tests/instances/float_kernels.cpp: 16-bit storage, alone and mixed with float.
 #define ATTN_TEST_INSTANCES_16BIT(X)                                             \
   X ATTN_TEST_ATTENTION_INTO(float, Eigen::half, float);                         \
   X ATTN_TEST_ATTENTION_INTO(float, Eigen::bfloat16, float);                     \
   X ATTN_TEST_ATTENTION_INTO(Eigen::half, Eigen::half, Eigen::half);             \
   X ATTN_TEST_VARLEN_INTO(Eigen::half, Eigen::half, Eigen::half);                \
+  X ATTN_TEST_VARLEN_INTO(Eigen::bfloat16, Eigen::bfloat16, Eigen::bfloat16);    \
   X ATTN_TEST_ATTENTION_INTO(Eigen::bfloat16, Eigen::bfloat16, Eigen::bfloat16); \
   X ATTN_TEST_ATTENTION_INTO(Eigen::half, Eigen::half, float);                   \
   X ATTN_TEST_ATTENTION_INTO(Eigen::bfloat16, Eigen::bfloat16, float);           \
@@ -103,10 +111,9 @@
   X ATTN_TEST_LINEAR(float);                                  \
   X ATTN_TEST_LINEAR(double);
 
-// tests/instances/backward.cpp: the gradients of attention.
+// tests/instances/float_kernels.cpp: the gradients of attention computed in float.
 #define ATTN_TEST_INSTANCES_BACKWARD(X) \
   X ATTN_TEST_BACKWARD(float);          \
-  X ATTN_TEST_BACKWARD(double);         \
   X ATTN_TEST_BACKWARD(Eigen::half);    \
   X ATTN_TEST_BACKWARD(Eigen::bfloat16);
 
