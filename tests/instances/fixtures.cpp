@@ -1,5 +1,5 @@
-// The fixture loading of support/fixtures.hpp, compiled once, optimised: mha.json alone
-// holds millions of numbers.
+// The fixture loading and the comparisons of support/fixtures.hpp, compiled once, optimised:
+// mha.json alone holds millions of numbers.
 #include <fstream>
 #include <map>
 #include <stdexcept>
@@ -46,5 +46,10 @@ std::vector<double> values_of(const json& t) {
     out.push_back(number(x));
   return out;
 }
+
+ATTN_TEST_COMPARE_INSTANCES(, float, double)
+ATTN_TEST_COMPARE_INSTANCES(, double, double)
+ATTN_TEST_COMPARE_INSTANCES(, float, long double)
+ATTN_TEST_COMPARE_INSTANCES(, double, long double)
 
 }  // namespace attn_test

@@ -139,6 +139,16 @@ Comparison compare(const std::vector<TA>& actual, const std::vector<TE>& expecte
   return compare(actual.data(), expected.data(), actual.size(), rtol);
 }
 
+// Compiled once, optimised, in tests/instances/fixtures.cpp: the comparisons of the MHA,
+// gradient and kernel tests cover millions of elements.
+#define ATTN_TEST_COMPARE_INSTANCES(X, TA, TE) \
+  X template Comparison compare<TA, TE>(const TA*, const TE*, std::size_t, double);
+
+ATTN_TEST_COMPARE_INSTANCES(extern, float, double)
+ATTN_TEST_COMPARE_INSTANCES(extern, double, double)
+ATTN_TEST_COMPARE_INSTANCES(extern, float, long double)
+ATTN_TEST_COMPARE_INSTANCES(extern, double, long double)
+
 }  // namespace attn_test
 
 /// REQUIRE that `actual` (n values at a pointer) matches fixture tensor `expected_json`.

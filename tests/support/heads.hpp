@@ -73,4 +73,20 @@ double max_abs_error(const std::vector<T>& actual, const std::vector<double>& ex
   return worst;
 }
 
+// The tests draw and convert tens of millions of numbers; at the test files' -O0 under the
+// sanitizers that was most of the decode tests' time. These instantiations are compiled once,
+// with the kernels' options, in tests/instances/support.cpp, and the test files only call
+// them: the same code, the same numbers.
+#define ATTN_TEST_HEADS_INSTANCES(X, T)                                                   \
+  X template struct Heads<T>;                                                             \
+  X template Heads<T> random_heads<T>(Index, Index, Index, Index, std::mt19937&, double); \
+  X template Heads<float> Heads<T>::cast<float>() const;
+
+ATTN_TEST_HEADS_INSTANCES(extern, float)
+ATTN_TEST_HEADS_INSTANCES(extern, double)
+ATTN_TEST_HEADS_INSTANCES(extern, Eigen::half)
+ATTN_TEST_HEADS_INSTANCES(extern, Eigen::bfloat16)
+extern template Heads<Eigen::half> Heads<float>::cast<Eigen::half>() const;
+extern template Heads<Eigen::bfloat16> Heads<float>::cast<Eigen::bfloat16>() const;
+
 }  // namespace attn_test
