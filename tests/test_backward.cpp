@@ -236,12 +236,166 @@ void sweep_against_reference() {
   }
 }
 
+/// (B, H, L, D) padded values -> (T, H, D) tokens: sequence b's first rows, from offsets.
+template <class V>
+std::vector<V> pack_rows(const std::vector<V>& padded, Index heads, Index length, Index dim,
+                         const std::vector<Index>& offsets) {
+  std::vector<V> tokens(static_cast<std::size_t>(offsets.back() * heads * dim));
+  for (std::size_t b = 0; b + 1 < offsets.size(); ++b)
+    for (Index i = 0; i < offsets[b + 1] - offsets[b]; ++i)
+      for (Index h = 0; h < heads; ++h)
+        for (Index e = 0; e < dim; ++e)
+          tokens[static_cast<std::size_t>(((offsets[b] + i) * heads + h) * dim + e)] =
+              padded[static_cast<std::size_t>(
+                  ((static_cast<Index>(b) * heads + h) * length + i) * dim + e)];
+  return tokens;
+}
+
+/// Packed sequences (scaled_dot_product_attention_varlen_backward_into) against the long
+/// double reference of the same sequences padded with query and key lengths: the options of
+/// the packed forward, each within its sequence (dropout and a mask_mod that reads b see the
+/// sequence's index); each gradient's error at most twice the plain loops'.
+template <class T>
+void packed_against_reference() {
+  using attn_test::reference::Problem;
+  using RefCausal = attn_test::reference::Causal;
+  std::mt19937 rng(20261203u);
+  const auto mod = [](Index b, Index h, Index i, Index j) {
+    return (b + h + i + 2 * j) % 5 != 0 && j <= i + 4;
+  };
+  struct Case {
+    std::vector<Index> q_lengths, k_lengths;
+    Index q_heads, kv_heads, dim, value_dim;
+    int variant;
+  };
+  const Case cases[] = {
+      {{5, 0, 17, 33}, {5, 0, 17, 33}, 2, 1, 8, 8, 0},  // causal, GQA, an empty sequence
+      {{3, 9, 1}, {12, 20, 7}, 4, 2, 16, 24, 1},        // bottom-right causal, D != Dv
+      {{40, 6}, {70, 6}, 2, 2, 8, 8, 2},                // window, sink tokens, learned sinks
+      {{21, 13, 2}, {21, 30, 2}, 3, 1, 16, 16, 3},      // softcap, ALiBi, dropout
+      {{33, 18}, {50, 18}, 2, 1, 8, 16, 4},             // a mask_mod that reads b
+  };
+  for (const Case& c : cases) {
+    Problem p;
+    p.batch = static_cast<Index>(c.q_lengths.size());
+    p.q_heads = c.q_heads;
+    p.kv_heads = c.kv_heads;
+    p.q_length = *std::max_element(c.q_lengths.begin(), c.q_lengths.end());
+    p.k_length = *std::max_element(c.k_lengths.begin(), c.k_lengths.end());
+    p.dim = c.dim;
+    p.value_dim = c.value_dim;
+    p.query_lengths = c.q_lengths;
+    p.key_lengths = c.k_lengths;
+    if (c.variant == 0) {
+      p.causal = RefCausal::top_left;
+    } else if (c.variant == 1) {
+      p.causal = RefCausal::bottom_right;
+    } else if (c.variant == 2) {
+      p.window_left = 5;
+      p.window_right = 2;
+      p.sink_tokens = 2;
+      p.sinks = {0.5L, -1.0L};
+    } else if (c.variant == 3) {
+      p.softcap = 3.0L;
+      p.alibi_slopes = {0.5L, 0.25L, 0.125L};
+      p.dropout_p = 0.3L;
+      p.dropout_seed = 99;
+    } else {
+      p.mask_mod = mod;
+    }
+    attn_test::round_numbers_to<T>(p);
+    INFO("case " << c.variant);
+    std::vector<Index> cu_q{0}, cu_k{0};
+    for (Index b = 0; b < p.batch; ++b) {
+      cu_q.push_back(cu_q.back() + c.q_lengths[static_cast<std::size_t>(b)]);
+      cu_k.push_back(cu_k.back() + c.k_lengths[static_cast<std::size_t>(b)]);
+    }
+    const Heads<T> q = attn_test::random_heads<T>(p.batch, p.q_heads, p.q_length, p.dim, rng);
+    const Heads<T> k = attn_test::random_heads<T>(p.batch, p.kv_heads, p.k_length, p.dim, rng);
+    const Heads<T> v =
+        attn_test::random_heads<T>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng);
+    const Heads<T> dout =
+        attn_test::random_heads<T>(p.batch, p.q_heads, p.q_length, p.value_dim, rng);
+    const auto qe = attn_test::exact(q), ke = attn_test::exact(k), ve = attn_test::exact(v),
+               de = attn_test::exact(dout);
+    const auto truth = attn_test::reference::gradients<long double>(p, qe, ke, ve, de);
+    const auto plain = attn_test::reference::gradients<T>(p, qe, ke, ve, de);
+    const auto forward_truth = attn_test::reference::attention<long double>(p, qe, ke, ve);
+    const auto forward_plain = attn_test::reference::attention<T>(p, qe, ke, ve);
+
+    const auto pack_q = [&](const auto& x, Index dim) {
+      return pack_rows(x, p.q_heads, p.q_length, dim, cu_q);
+    };
+    const auto pack_k = [&](const auto& x, Index dim) {
+      return pack_rows(x, p.kv_heads, p.k_length, dim, cu_k);
+    };
+    const std::vector<T> qt = pack_q(q.data, p.dim), kt = pack_k(k.data, p.dim),
+                         vt = pack_k(v.data, p.value_dim), dt = pack_q(dout.data, p.value_dim);
+    const Index tq = cu_q.back(), tk = cu_k.back();
+    const auto cview = [](const std::vector<T>& x, Index t, Index h, Index d) {
+      return attn::blhd_view(x.data(), 1, t, h, d);
+    };
+    const auto view = [](std::vector<T>& x, Index t, Index h, Index d) {
+      return attn::blhd_view(x.data(), 1, t, h, d);
+    };
+    attn_test::AttnOptions<T> o(p);
+    o.options.key_lengths.clear();
+    o.options.query_lengths.clear();
+    if (p.mask_mod)
+      o.options.mask_mod = attn::MaskMod(mod);
+    struct Run {
+      attn::Algorithm algorithm;
+      Index query_tile, key_tile;
+    };
+    for (const Run run : {Run{attn::Algorithm::naive, 0, 0}, Run{attn::Algorithm::flash, 0, 0},
+                          Run{attn::Algorithm::flash, 5, 7}}) {
+      INFO(attn::algorithm_name(run.algorithm)
+           << ", tiles " << run.query_tile << " x " << run.key_tile);
+      o.options.algorithm = run.algorithm;
+      o.options.query_tile = run.query_tile;
+      o.options.key_tile = run.key_tile;
+      std::vector<T> out(static_cast<std::size_t>(tq * p.q_heads * p.value_dim)),
+          lse(static_cast<std::size_t>(p.q_heads * tq));
+      attn::scaled_dot_product_attention_varlen_into<T>(
+          cview(qt, tq, p.q_heads, p.dim), cview(kt, tk, p.kv_heads, p.dim),
+          cview(vt, tk, p.kv_heads, p.value_dim), view(out, tq, p.q_heads, p.value_dim), cu_q, cu_k,
+          o.options, lse.data());
+      const auto out_truth = pack_q(forward_truth.out, p.value_dim);
+      CHECK(attn_test::max_error(out, out_truth) <=
+            attn_test::error_bound<T>(
+                attn_test::max_error(pack_q(forward_plain.out, p.value_dim), out_truth)));
+      std::vector<T> dq(qt.size()), dk(kt.size()), dv(vt.size()), dsinks(p.sinks.size());
+      attn::scaled_dot_product_attention_varlen_backward_into<T>(
+          cview(qt, tq, p.q_heads, p.dim), cview(kt, tk, p.kv_heads, p.dim),
+          cview(vt, tk, p.kv_heads, p.value_dim), cview(out, tq, p.q_heads, p.value_dim),
+          lse.data(), cview(dt, tq, p.q_heads, p.value_dim), view(dq, tq, p.q_heads, p.dim),
+          view(dk, tk, p.kv_heads, p.dim), view(dv, tk, p.kv_heads, p.value_dim), cu_q, cu_k,
+          o.options, p.sinks.empty() ? nullptr : dsinks.data());
+      const auto check = [](const char* name, const auto& actual, const auto& expected,
+                            const auto& plain_values) {
+        const double error = attn_test::max_error(actual, expected);
+        const double bound =
+            attn_test::error_bound<T>(attn_test::max_error(plain_values, expected));
+        INFO(name << ": error " << error << ", bound " << bound);
+        CHECK(error <= bound);
+      };
+      check("dq", dq, pack_q(truth.dq, p.dim), pack_q(plain.dq, p.dim));
+      check("dk", dk, pack_k(truth.dk, p.dim), pack_k(plain.dk, p.dim));
+      check("dv", dv, pack_k(truth.dv, p.value_dim), pack_k(plain.dv, p.value_dim));
+      if (!p.sinks.empty())
+        check("dsinks", dsinks, truth.dsinks, plain.dsinks);
+    }
+  }
+}
+
 }  // namespace
 
 ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("the backward matches torch autograd on every sdpa fixture",
                                     "[backward]", fixtures_match_autograd)
 ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("the backward agrees with a long double reference",
                                     "[backward]", sweep_against_reference)
+ATTN_TEST_FLOAT_PER_ISA_DOUBLE_ONCE("the packed backward agrees with a long double reference",
+                                    "[backward][packed]", packed_against_reference)
 
 TEST_CASE("the reference gradients agree with finite differences in long double", "[backward]") {
   // L = sum(out * dout) of the reference forward, differentiated by central differences in
@@ -574,8 +728,90 @@ TEST_CASE("the backward rejects bad shapes and options by name", "[backward][err
                           packed, cview(k), cview(v), cview(out), lse.data(), cview(dout), view(dq),
                           view(dk), view(dv)),
                       prefix +
-                          "packed views (varlen) are not supported by the backward: pad the "
-                          "sequences and give key_lengths and query_lengths");
+                          "packed views (varlen) go to "
+                          "scaled_dot_product_attention_varlen_backward_into, with the sequences' "
+                          "offsets");
+}
+
+TEST_CASE("the packed backward rejects bad tokens, offsets and options by name",
+          "[backward][packed][errors]") {
+  // Two sequences of 2 and 3 query tokens, 4 and 1 keys; Hq = 2, Hkv = 1, D = 4, Dv = 2.
+  attn::Tensor<float, 3> q(5, 2, 4), k(5, 1, 4), v(5, 1, 2), out(5, 2, 2), dout(5, 2, 2);
+  for (auto* t : {&q, &k, &v, &out, &dout})
+    t->setRandom();
+  attn::Tensor<float, 2> lse(2, 5);
+  lse.setZero();
+  const std::vector<Index> cu_q{0, 2, 5}, cu_k{0, 4, 5};
+  const std::string prefix = "scaled_dot_product_attention_varlen_backward: ";
+  using attn::scaled_dot_product_attention_varlen_backward;
+  CHECK_NOTHROW(scaled_dot_product_attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k));
+  attn::Tensor<float, 2> bad_lse(5, 2);
+  REQUIRE_THROWS_WITH(
+      scaled_dot_product_attention_varlen_backward(q, k, v, out, bad_lse, dout, cu_q, cu_k),
+      prefix + "logsumexp is [5, 2] but must be [2, 5] (Hq, Tq)");
+  attn::Tensor<float, 3> wrong(5, 2, 3);
+  REQUIRE_THROWS_WITH(
+      scaled_dot_product_attention_varlen_backward(q, k, v, out, lse, wrong, cu_q, cu_k),
+      prefix + "dout is [1, 2, 5, 3] but must be [1, 2, 5, 2] (1, Hq, Tq, Dv)");
+  REQUIRE_THROWS_WITH(
+      scaled_dot_product_attention_varlen_backward(q, k, v, out, lse, dout, {0, 5}, cu_k),
+      prefix + "cu_seqlens_q has 2 entries and cu_seqlens_k 3: both must have B + 1");
+  REQUIRE_THROWS_WITH(
+      scaled_dot_product_attention_varlen_backward(q, k, v, out, lse, dout, {0, 2, 4}, cu_k),
+      Catch::Contains("cu_seqlens_q is [0, 2, 4]: its last entry must equal the number of "
+                      "tokens, 5"));
+  attn::AttentionOptions<float> options;
+  options.key_lengths = {4, 1};
+  REQUIRE_THROWS_WITH(
+      scaled_dot_product_attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, options),
+      prefix +
+          "options.key_lengths and options.query_lengths must be empty: cu_seqlens_q and "
+          "cu_seqlens_k give the lengths");
+  options = {};
+  attn::Tensor<float, 4> bias(1, 1, 1, 1);
+  bias.setZero();
+  options.bias = bias;
+  REQUIRE_THROWS_WITH(
+      scaled_dot_product_attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, options),
+      Catch::Contains("options.keep_mask and options.bias are not supported on packed sequences"));
+  options = {};
+  options.score_mod =
+      attn::ScoreMod<float>([](float score, Index, Index, Index, Index) { return score; });
+  REQUIRE_THROWS_WITH(
+      scaled_dot_product_attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, options),
+      Catch::Contains("options.score_mod is forward only"));
+
+  // The _into form: views of all tokens only, a null logsumexp, dsinks without sinks.
+  const auto tokens = [](auto& t) {
+    return attn::blhd_view(t.data(), 1, t.dimension(0), t.dimension(1), t.dimension(2));
+  };
+  const auto ctokens = [](const auto& t) {
+    return attn::blhd_view(t.data(), 1, t.dimension(0), t.dimension(1), t.dimension(2));
+  };
+  attn::Tensor<float, 3> dq(5, 2, 4), dk(5, 1, 4), dv(5, 1, 2);
+  const attn::HeadsView<const float> two_sequences =
+      attn::blhd_view(static_cast<const float*>(q.data()), 5, 1, 2, 4);
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_varlen_backward_into<float>(
+                          two_sequences, ctokens(k), ctokens(v), ctokens(out), lse.data(),
+                          ctokens(dout), tokens(dq), tokens(dk), tokens(dv), cu_q, cu_k),
+                      prefix +
+                          "q is [5, 2, 1, 4]: every tensor must be a view of all tokens, (1, H, "
+                          "T, D) (e.g. blhd_view(data, 1, T, H, D))");
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_varlen_backward_into<float>(
+                          ctokens(q), ctokens(k), ctokens(v), ctokens(out), nullptr, ctokens(dout),
+                          tokens(dq), tokens(dk), tokens(dv), cu_q, cu_k),
+                      prefix + "logsumexp is null: pass the forward's logsumexp (Hq, Tq)");
+  float scratch[2] = {};
+  REQUIRE_THROWS_WITH(
+      attn::scaled_dot_product_attention_varlen_backward_into<float>(
+          ctokens(q), ctokens(k), ctokens(v), ctokens(out), lse.data(), ctokens(dout), tokens(dq),
+          tokens(dk), tokens(dv), cu_q, cu_k, {}, scratch),
+      prefix + "dsinks was requested but options.sinks is not given");
+  REQUIRE_THROWS_WITH(
+      attn::scaled_dot_product_attention_varlen_backward_into<float>(
+          ctokens(q), ctokens(k), ctokens(v), ctokens(out), lse.data(), ctokens(dout), tokens(dq),
+          attn::blhd_view(dq.data(), 1, 5, 1, 4), tokens(dv), cu_q, cu_k),
+      prefix + "dq overlaps dk: the gradients must not overlap");
 }
 
 TEST_CASE("the backward of empty problems gives empty or zero gradients", "[backward]") {

@@ -165,6 +165,53 @@ inline void check_sequence_offsets(const char* function, const char* name,
   }
 }
 
+/// The checks of a packed call (forward or backward) on its sequences and options: B + 1
+/// offsets each, rising from 0 to the number of tokens; no per-sequence lengths, keep-mask or
+/// bias in the options (the offsets give the lengths, and a (B, H, Lq, Lk) tensor has no
+/// meaning on packed tokens).
+template <class T>
+void check_packed_sequences(const char* function,
+                            const std::vector<Index>& cu_seqlens_q,  // (B + 1)
+                            const std::vector<Index>& cu_seqlens_k,  // (B + 1)
+                            Index q_tokens, Index k_tokens, const MaskOptions<T>& options) {
+  if (cu_seqlens_q.size() != cu_seqlens_k.size()) {
+    throw_invalid_argument(function, "cu_seqlens_q has " + std::to_string(cu_seqlens_q.size()) +
+                                         " entries and cu_seqlens_k " +
+                                         std::to_string(cu_seqlens_k.size()) +
+                                         ": both must have B + 1");
+  }
+  check_sequence_offsets(function, "cu_seqlens_q", cu_seqlens_q, q_tokens);
+  check_sequence_offsets(function, "cu_seqlens_k", cu_seqlens_k, k_tokens);
+  if (!options.key_lengths.empty() || !options.query_lengths.empty()) {
+    throw_invalid_argument(function,
+                           "options.key_lengths and options.query_lengths must be "
+                           "empty: cu_seqlens_q and cu_seqlens_k give the lengths");
+  }
+  if (!options.keep_mask.empty() || !options.bias.empty()) {
+    throw_invalid_argument(function,
+                           "options.keep_mask and options.bias are not supported on "
+                           "packed sequences: pad them, or express the mask with "
+                           "causal, window, sink tokens or ALiBi");
+  }
+}
+
+/// The options of a packed call as the kernels see them: each sequence's query and key
+/// lengths from the offsets, so that every rule applies within a sequence.
+template <class T>
+MaskOptions<T> per_sequence_options(const MaskOptions<T>& options,
+                                    const std::vector<Index>& cu_seqlens_q,    // (B + 1)
+                                    const std::vector<Index>& cu_seqlens_k) {  // (B + 1)
+  MaskOptions<T> per_sequence = options;
+  const std::size_t batch = cu_seqlens_q.size() - 1;
+  per_sequence.query_lengths.resize(batch);
+  per_sequence.key_lengths.resize(batch);
+  for (std::size_t b = 0; b < batch; ++b) {
+    per_sequence.query_lengths[b] = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+    per_sequence.key_lengths[b] = cu_seqlens_k[b + 1] - cu_seqlens_k[b];
+  }
+  return per_sequence;
+}
+
 /// The implementation of scaled_dot_product_attention_varlen_into (see there).
 template <class TQ, class TKV, class TO>
 void varlen_attention_into(const HeadsView<const TQ>& q,            // (1, Hq, Tq, D)
@@ -196,34 +243,10 @@ void varlen_attention_into(const HeadsView<const TQ>& q,            // (1, Hq, T
                                " (1, Hq, Tq, Dv)");
   }
   check_output_aliasing(function, q, k, v, out);
-  if (cu_seqlens_q.size() != cu_seqlens_k.size()) {
-    throw_invalid_argument(function, "cu_seqlens_q has " + std::to_string(cu_seqlens_q.size()) +
-                                         " entries and cu_seqlens_k " +
-                                         std::to_string(cu_seqlens_k.size()) +
-                                         ": both must have B + 1");
-  }
-  check_sequence_offsets(function, "cu_seqlens_q", cu_seqlens_q, q.length);
-  check_sequence_offsets(function, "cu_seqlens_k", cu_seqlens_k, k.length);
-  if (!options.key_lengths.empty() || !options.query_lengths.empty()) {
-    throw_invalid_argument(function,
-                           "options.key_lengths and options.query_lengths must be "
-                           "empty: cu_seqlens_q and cu_seqlens_k give the lengths");
-  }
-  if (!options.keep_mask.empty() || !options.bias.empty()) {
-    throw_invalid_argument(function,
-                           "options.keep_mask and options.bias are not supported on "
-                           "packed sequences: pad them, or express the mask with "
-                           "causal, window, sink tokens or ALiBi");
-  }
+  check_packed_sequences(function, cu_seqlens_q, cu_seqlens_k, q.length, k.length, options);
   const T scale = resolve_scale(function, options.scale, q.dim);
   const Index batch = static_cast<Index>(cu_seqlens_q.size()) - 1;
-  MaskOptions<T> per_sequence = options;
-  per_sequence.query_lengths.resize(static_cast<std::size_t>(batch));
-  per_sequence.key_lengths.resize(static_cast<std::size_t>(batch));
-  for (std::size_t b = 0; b < static_cast<std::size_t>(batch); ++b) {
-    per_sequence.query_lengths[b] = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
-    per_sequence.key_lengths[b] = cu_seqlens_k[b + 1] - cu_seqlens_k[b];
-  }
+  const MaskOptions<T> per_sequence = per_sequence_options(options, cu_seqlens_q, cu_seqlens_k);
   const HeadsView<const TQ> qp = packed_view(q, cu_seqlens_q);
   const HeadsView<const TKV> kp = packed_view(k, cu_seqlens_k), vp = packed_view(v, cu_seqlens_k);
   const HeadsView<TO> outp = packed_view(out, cu_seqlens_q);

@@ -58,6 +58,15 @@
       const attn::AttentionOptions<attn::compute_scalar_t<S>>&, attn::compute_scalar_t<S>*, \
       attn::compute_scalar_t<S>*)
 
+#define ATTN_TEST_VARLEN_BACKWARD(S)                                                   \
+  template void attn::detail::varlen_attention_backward_into<S>(                       \
+      const attn::HeadsView<const S>&, const attn::HeadsView<const S>&,                \
+      const attn::HeadsView<const S>&, const attn::HeadsView<const S>&,                \
+      const attn::compute_scalar_t<S>*, const attn::HeadsView<const S>&,               \
+      const attn::HeadsView<S>&, const attn::HeadsView<S>&, const attn::HeadsView<S>&, \
+      const std::vector<attn::Index>&, const std::vector<attn::Index>&,                \
+      const attn::AttentionOptions<attn::compute_scalar_t<S>>&, attn::compute_scalar_t<S>*)
+
 // tests/instances/float_kernels.cpp: every instantiation that runs the float vector kernels,
 // in one unit. Their building blocks (kernels/simd/tile_products.inl) are inline functions,
 // compiled again by every unit that reaches them, so three units (float, 16-bit, backward)
@@ -75,7 +84,8 @@
   X ATTN_TEST_ATTENTION_INTO(double, double, double); \
   X ATTN_TEST_VARLEN_INTO(double, double, double);    \
   X ATTN_TEST_DECODE(double, double);                 \
-  X ATTN_TEST_BACKWARD(double);
+  X ATTN_TEST_BACKWARD(double);                       \
+  X ATTN_TEST_VARLEN_BACKWARD(double);
 
 // tests/instances/float_kernels.cpp: 16-bit storage, alone and mixed with float.
 #define ATTN_TEST_INSTANCES_16BIT(X)                                             \
@@ -112,10 +122,11 @@
   X ATTN_TEST_LINEAR(double);
 
 // tests/instances/float_kernels.cpp: the gradients of attention computed in float.
-#define ATTN_TEST_INSTANCES_BACKWARD(X) \
-  X ATTN_TEST_BACKWARD(float);          \
-  X ATTN_TEST_BACKWARD(Eigen::half);    \
-  X ATTN_TEST_BACKWARD(Eigen::bfloat16);
+#define ATTN_TEST_INSTANCES_BACKWARD(X)  \
+  X ATTN_TEST_BACKWARD(float);           \
+  X ATTN_TEST_BACKWARD(Eigen::half);     \
+  X ATTN_TEST_BACKWARD(Eigen::bfloat16); \
+  X ATTN_TEST_VARLEN_BACKWARD(float);
 
 #define ATTN_TEST_INSTANCES(X)  \
   ATTN_TEST_INSTANCES_FLOAT(X)  \

@@ -6,7 +6,7 @@
 //   k, dk      (B, Hkv, Lk, D)    the dk and dv of its kv head and the dq of the
 //   v, dv      (B, Hkv, Lk, Dv)   G = Hq / Hkv query heads that read it
 //   out, dout  (B, Hq, Lq, Dv)
-//   lse        (B, Hq, Lq)        the forward's log-sum-exp, contiguous
+//   lse        (B, Hq, Lq)        the forward's log-sum-exp: contiguous, or (Hq, T) packed
 #pragma once
 
 #include "attn/config.hpp"
@@ -30,7 +30,7 @@ struct BackwardViews {
   HeadsView<const S> v;     // (B, Hkv, Lk, Dv)
   HeadsView<const S> out;   // (B, Hq, Lq, Dv)
   HeadsView<const S> dout;  // (B, Hq, Lq, Dv)
-  const T* lse;             // (B, Hq, Lq)
+  RowValues<const T> lse;   // (B, Hq, Lq), or (Hq, T) for packed views
   HeadsView<S> dq;          // (B, Hq, Lq, D)
   HeadsView<S> dk;          // (B, Hkv, Lk, D)
   HeadsView<S> dv;          // (B, Hkv, Lk, Dv)
@@ -39,7 +39,7 @@ struct BackwardViews {
   Index group() const { return q.heads / k.heads; }
   KvHeadItem item(Index i) const { return {i / k.heads, i % k.heads}; }
   /// The log-sum-exp of query head h of sequence b: (Lq).
-  const T* lse_of(Index b, Index h) const { return lse + (b * q.heads + h) * q.length; }
+  const T* lse_of(Index b, Index h) const { return lse.head(b, h); }
 };
 
 }  // namespace attn::detail

@@ -196,9 +196,9 @@ void run_bias_gradient(bool parallel, Index query_tile, const BackwardViews<S>& 
 /// The gradients of the learned sinks (mask.sink(h)) into dsinks (Hq):
 /// dsink_h = -sum over b and the real queries i of exp(sink_h - lse_i) * delta_i.
 template <class S>
-void sink_gradients(const HeadsView<const S>& out,   // (B, Hq, Lq, Dv)
-                    const HeadsView<const S>& dout,  // (B, Hq, Lq, Dv)
-                    const compute_scalar_t<S>* lse,  // (B, Hq, Lq)
+void sink_gradients(const HeadsView<const S>& out,                    // (B, Hq, Lq, Dv)
+                    const HeadsView<const S>& dout,                   // (B, Hq, Lq, Dv)
+                    const RowValues<const compute_scalar_t<S>>& lse,  // (B, Hq, Lq) or (Hq, T)
                     const Mask<compute_scalar_t<S>>& mask,
                     compute_scalar_t<S>* dsinks) {  // (Hq)
   using T = compute_scalar_t<S>;
@@ -210,7 +210,7 @@ void sink_gradients(const HeadsView<const S>& out,   // (B, Hq, Lq, Dv)
         T delta = 0;
         for (Index e = 0; e < out.dim; ++e)
           delta += static_cast<T>(d(i, e)) * static_cast<T>(o(i, e));
-        sum += std::exp(*mask.sink(h) - lse[(b * out.heads + h) * out.length + i]) * delta;
+        sum += std::exp(*mask.sink(h) - lse.head(b, h)[i]) * delta;
       }
     }
     dsinks[h] = -sum;
