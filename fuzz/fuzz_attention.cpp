@@ -56,7 +56,9 @@
 //     reference has -inf;
 //   - the flash backward on every instruction set agrees with the naive backward (no NaN or
 //     large values; mask_mod and block_mask included; the bound is at check_backward); with
-//     a score_mod, naive and flash backward throw std::invalid_argument;
+//     a score_mod, naive and flash backward throw std::invalid_argument; on packed
+//     problems the packed backward (naive, and flash on every instruction set) agrees with
+//     the padded naive backward on each sequence's rows;
 //   - linear_attention (elu + 1, causal or not, key_lengths, no NaN or large values) agrees
 //     with its quadratic form in R within (64 + 4 (D + Lk)) eps max(1, max|v|).
 #include <algorithm>
@@ -646,6 +648,21 @@ void set_mods(const Problem& p, Index q_length, Index k_length,
 }
 
 /// The problem's tensors and options in scalar type S.
+/// (T, H, D) tokens from padded (B, H, L, D) values: sequence b's first cu[b + 1] - cu[b] rows.
+template <class S>
+std::vector<S> pack_tokens(const std::vector<S>& x, const std::vector<Index>& cu, Index heads,
+                           Index padded, Index dim) {
+  std::vector<S> r(static_cast<std::size_t>(cu.back() * heads * dim));
+  for (std::size_t b = 0; b + 1 < cu.size(); ++b)
+    for (Index t = 0; t < cu[b + 1] - cu[b]; ++t)
+      for (Index h = 0; h < heads; ++h)
+        for (Index d = 0; d < dim; ++d)
+          r[static_cast<std::size_t>(((cu[b] + t) * heads + h) * dim + d)] =
+              x[static_cast<std::size_t>(((static_cast<Index>(b) * heads + h) * padded + t) * dim +
+                                         d)];
+  return r;
+}
+
 template <class S>
 struct Typed {
   std::vector<S> q, k, v, bias;
@@ -653,6 +670,12 @@ struct Typed {
   std::vector<S> lse;
   attn::Tensor<bool, 4> keep;
   attn::AttentionOptions<S> options;
+  /// run_packed's call: offsets, tokens, its out and (Hq, Tq) log-sum-exp, its options.
+  struct Packed {
+    std::vector<Index> cu_q, cu_k;
+    std::vector<S> q, k, v, out, lse;
+    attn::AttentionOptions<S> options;
+  } packed;
 
   explicit Typed(const Problem& p) {
     const auto cast = [](const std::vector<double>& x) {
@@ -720,25 +743,16 @@ struct Typed {
       cu_q.push_back(cu_q.back() + length(p.query_lengths, b, p.q_length));
       cu_k.push_back(cu_k.back() + length(p.key_lengths, b, p.k_length));
     }
-    // (T, H, D) tokens from the padded (B, H, L, D) problem.
-    const auto pack = [&](const std::vector<S>& x, const std::vector<Index>& cu, Index heads,
-                          Index padded, Index dim) {
-      std::vector<S> r(static_cast<std::size_t>(cu.back() * heads * dim));
-      for (Index b = 0; b < p.batch; ++b)
-        for (Index t = 0; t < cu[static_cast<std::size_t>(b) + 1] - cu[static_cast<std::size_t>(b)];
-             ++t)
-          for (Index h = 0; h < heads; ++h)
-            for (Index d = 0; d < dim; ++d)
-              r[static_cast<std::size_t>(((cu[static_cast<std::size_t>(b)] + t) * heads + h) * dim +
-                                         d)] =
-                  x[static_cast<std::size_t>(((b * heads + h) * padded + t) * dim + d)];
-      return r;
-    };
-    const std::vector<S> qp = pack(q, cu_q, p.q_heads, p.q_length, p.dim);
-    const std::vector<S> kp = pack(k, cu_k, p.kv_heads, p.k_length, p.dim);
-    const std::vector<S> vp = pack(v, cu_k, p.kv_heads, p.k_length, p.value_dim);
-    std::vector<S> op(static_cast<std::size_t>(cu_q.back() * p.q_heads * p.value_dim), S(-7));
-    std::vector<S> lp(static_cast<std::size_t>(cu_q.back() * p.q_heads), S(-7));
+    packed.cu_q = cu_q;
+    packed.cu_k = cu_k;
+    packed.q = pack_tokens(q, cu_q, p.q_heads, p.q_length, p.dim);
+    packed.k = pack_tokens(k, cu_k, p.kv_heads, p.k_length, p.dim);
+    packed.v = pack_tokens(v, cu_k, p.kv_heads, p.k_length, p.value_dim);
+    const std::vector<S>&qp = packed.q, &kp = packed.k, &vp = packed.v;
+    std::vector<S>& op = packed.out;
+    std::vector<S>& lp = packed.lse;
+    op.assign(static_cast<std::size_t>(cu_q.back() * p.q_heads * p.value_dim), S(-7));
+    lp.assign(static_cast<std::size_t>(cu_q.back() * p.q_heads), S(-7));
     attn::AttentionOptions<S> packed_options = options;
     packed_options.algorithm = algorithm;
     packed_options.key_lengths.clear();
@@ -753,6 +767,7 @@ struct Typed {
     packed_options.block_mask = {};
     packed_options.score_mod = {};
     set_mods(p, longest_q, longest_k, packed_options);
+    packed.options = packed_options;
     try {
       attn::scaled_dot_product_attention_varlen_into<S>(
           attn::blhd_view<const S>(qp.data(), 1, cu_q.back(), p.q_heads, p.dim),
@@ -1161,6 +1176,67 @@ void check_linear(const Problem& p) {
   }
 }
 
+/// Packed problems: the packed backward, naive and flash on every instruction set, from the
+/// packed naive forward, against the padded naive backward on each sequence's rows (expected:
+/// its dq, dk, dv and dsinks), within check_backward's bound.
+template <class T>
+void check_packed_backward(const Problem& p, Typed<T>& typed, const std::vector<T>& dout,
+                           const std::vector<T>& dq, const std::vector<T>& dk,
+                           const std::vector<T>& dv, const std::vector<T>& dsinks,
+                           double relative) {
+  if (!typed.run_packed(p, attn::Algorithm::naive).empty())
+    fail(p, "the packed naive forward threw before the packed backward");
+  const auto& x = typed.packed;
+  const Index tq = x.cu_q.back(), tk = x.cu_k.back();
+  const std::vector<T> dout_tokens = pack_tokens(dout, x.cu_q, p.q_heads, p.q_length, p.value_dim);
+  const std::vector<T> expected[] = {pack_tokens(dq, x.cu_q, p.q_heads, p.q_length, p.dim),
+                                     pack_tokens(dk, x.cu_k, p.kv_heads, p.k_length, p.dim),
+                                     pack_tokens(dv, x.cu_k, p.kv_heads, p.k_length, p.value_dim),
+                                     dsinks};
+  const auto tokens = [](const std::vector<T>& v, Index t, Index h, Index d) {
+    return attn::blhd_view(v.data(), 1, t, h, d);
+  };
+  const auto run = [&](attn::Algorithm algorithm, const std::string& name) {
+    std::vector<T> g[4] = {std::vector<T>(x.q.size()), std::vector<T>(x.k.size()),
+                           std::vector<T>(x.v.size()), std::vector<T>(p.sinks.size())};
+    attn::AttentionOptions<T> options = x.options;
+    options.algorithm = algorithm;
+    attn::scaled_dot_product_attention_varlen_backward_into<T>(
+        tokens(x.q, tq, p.q_heads, p.dim), tokens(x.k, tk, p.kv_heads, p.dim),
+        tokens(x.v, tk, p.kv_heads, p.value_dim), tokens(x.out, tq, p.q_heads, p.value_dim),
+        x.lse.data(), tokens(dout_tokens, tq, p.q_heads, p.value_dim),
+        attn::blhd_view(g[0].data(), 1, tq, p.q_heads, p.dim),
+        attn::blhd_view(g[1].data(), 1, tk, p.kv_heads, p.dim),
+        attn::blhd_view(g[2].data(), 1, tk, p.kv_heads, p.value_dim), x.cu_q, x.cu_k, options,
+        g[3].empty() ? nullptr : g[3].data());
+    const char* names[] = {"dq", "dk", "dv", "dsinks"};
+    for (int n = 0; n < 4; ++n) {
+      const std::vector<T>&a = g[n], &e = expected[n];
+      double largest = 1;
+      for (const T y : e) {
+        if (std::isfinite(static_cast<double>(y)))
+          largest = std::max(largest, std::abs(static_cast<double>(y)));
+      }
+      for (std::size_t m = 0; m < e.size(); ++m) {
+        const double error = std::abs(static_cast<double>(a[m]) - static_cast<double>(e[m]));
+        if (!(error <= relative * largest)) {
+          fail(p, name + ": " + names[n] + "[" + std::to_string(m) + "] is " +
+                      std::to_string(static_cast<double>(a[m])) + ", padded naive " +
+                      std::to_string(static_cast<double>(e[m])) + ", bound " +
+                      std::to_string(relative * largest));
+        }
+      }
+    }
+  };
+  run(attn::Algorithm::naive, "packed naive backward");
+  for (const attn::Isa isa : attn::all_isas) {
+    if (!attn::isa_supported(isa))
+      continue;
+    const attn::ScopedIsa forced(isa);
+    run(attn::Algorithm::flash, std::string("packed flash backward/") + attn::isa_name(isa));
+  }
+}
+
 /// The flash backward on every instruction set against the naive backward, from the naive
 /// forward's out and log-sum-exp, for valid problems without NaN or large values:
 ///   |flash - naive| <= (64 + 4 (Lq + Lk + D + Dv)) eps (1 + S) max(1, max |naive|)
@@ -1241,6 +1317,9 @@ void check_backward(const Problem& p) {
     compare("dbias", actual.dbias, expected.dbias);
     compare("dsinks", actual.dsinks, expected.dsinks);
   }
+  if (p.packed)
+    check_packed_backward(p, typed, dout, expected.dq, expected.dk, expected.dv, expected.dsinks,
+                          relative);
 }
 
 /// The backward refuses a score_mod (attn/attention_backward.hpp: forward only).
