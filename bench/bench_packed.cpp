@@ -12,6 +12,10 @@
 //                                         before: T^2 bytes, every tile on the diagonal band
 //                                         computed and masked element by element)
 //                                 form 2: k separate calls, one per document
+//   documents_backward/<form>/k:<k>  the backward of the same problem:
+//                                 form 0: one packed call
+//                                 (scaled_dot_product_attention_varlen_backward_into)
+//                                 form 2: k separate backward calls, one per document
 //   kv_ragged/<form>/Lq:<Lq>      KVCache::attend over B = 8 sequences of 100 .. 4000 tokens
 //                                 (Hq = 8, Hkv = 2, D = 128), 2 threads:
 //                                 form 0: one call (per-sequence bottom-right alignment)
@@ -31,6 +35,7 @@
 #include <vector>
 
 #include <attn/attention.hpp>
+#include <attn/attention_backward.hpp>
 #include <attn/kv_cache.hpp>
 
 #include "common.hpp"
@@ -115,6 +120,80 @@ void BM_documents(benchmark::State& state) {
                                                benchmark::Counter::kIsIterationInvariantRate);
 }
 
+void BM_documents_backward(benchmark::State& state) {
+  const bool packed = state.range(0) == 0;
+  const Index documents = state.range(1);
+  const Index tokens = smoke() ? 512 : 8192, heads = 4, dim = 64;
+  const Index per_document = tokens / documents;
+  const std::size_t size = static_cast<std::size_t>(tokens * heads * dim);
+  set_threads(1);
+  std::vector<float> q(size), k(size), v(size), dout(size), out(size), lse(size / dim);
+  std::vector<float> dq(size), dk(size), dv(size), expected_dq(size), expected_dk(size),
+      expected_dv(size), document_lse(size / dim);
+  attn_bench::fill_normal(q, 1u);
+  attn_bench::fill_normal(k, 2u);
+  attn_bench::fill_normal(v, 3u);
+  attn_bench::fill_normal(dout, 4u);
+  std::vector<Index> offsets{0};
+  for (Index d = 0; d < documents; ++d)
+    offsets.push_back(offsets.back() + per_document);
+  const auto all = [&](const std::vector<float>& x) {
+    return attn::blhd_view(x.data(), 1, tokens, heads, dim);
+  };
+  const auto all_out = [&](std::vector<float>& x) {
+    return attn::blhd_view(x.data(), 1, tokens, heads, dim);
+  };
+  // Document d's rows of a (T, H, D) tensor, and its (1, H, n) log-sum-exp.
+  const auto part = [&](auto* data, Index d) {
+    return attn::blhd_view(data + d * per_document * heads * dim, 1, per_document, heads, dim);
+  };
+  const auto cpart = [&](const std::vector<float>& x, Index d) { return part(x.data(), d); };
+  attn::AttentionOptions<float> options;
+  options.causal = attn::Causal::bottom_right;  // within each document
+  attn::scaled_dot_product_attention_varlen_into<float>(all(q), all(k), all(v), all_out(out),
+                                                        offsets, offsets, options, lse.data());
+  for (Index d = 0; d < documents; ++d) {  // the per-document forward's own log-sum-exp
+    std::vector<float> scratch(static_cast<std::size_t>(per_document * heads * dim));
+    attn::scaled_dot_product_attention_into<float>(
+        cpart(q, d), cpart(k, d), cpart(v, d),
+        attn::blhd_view(scratch.data(), 1, per_document, heads, dim), options, nullptr,
+        document_lse.data() + d * heads * per_document);
+  }
+  const auto run = [&](std::vector<float>& gq, std::vector<float>& gk, std::vector<float>& gv,
+                       bool as_packed) {
+    if (as_packed) {
+      attn::scaled_dot_product_attention_varlen_backward_into<float>(
+          all(q), all(k), all(v), all(out), lse.data(), all(dout), all_out(gq), all_out(gk),
+          all_out(gv), offsets, offsets, options);
+      return;
+    }
+    for (Index d = 0; d < documents; ++d) {
+      attn::scaled_dot_product_attention_backward_into<float>(
+          cpart(q, d), cpart(k, d), cpart(v, d), cpart(out, d),
+          document_lse.data() + d * heads * per_document, cpart(dout, d), part(gq.data(), d),
+          part(gk.data(), d), part(gv.data(), d), options);
+    }
+  };
+  run(expected_dq, expected_dk, expected_dv, false);
+  run(dq, dk, dv, packed);
+  const float error = std::max({attn_bench::max_abs_diff(dq.data(), expected_dq.data(), size),
+                                attn_bench::max_abs_diff(dk.data(), expected_dk.data(), size),
+                                attn_bench::max_abs_diff(dv.data(), expected_dv.data(), size)});
+  if (!(error <= 1e-4f)) {
+    state.SkipWithError(
+        ("differs from the per-document backward by " + std::to_string(error)).c_str());
+    return;
+  }
+  for (auto _ : state) {
+    run(dq, dk, dv, packed);
+    benchmark::DoNotOptimize(dq.data());
+  }
+  const double pairs = static_cast<double>(documents) * static_cast<double>(per_document) *
+                       static_cast<double>(per_document + 1) / 2;
+  state.counters["FLOPS"] = benchmark::Counter(10.0 * static_cast<double>(dim * heads) * pairs,
+                                               benchmark::Counter::kIsIterationInvariantRate);
+}
+
 enum class CacheForm : std::int64_t { one_call = 0, per_sequence = 1 };
 
 void BM_kv_ragged(benchmark::State& state) {
@@ -187,6 +266,11 @@ void register_all() {
   benchmark::RegisterBenchmark("documents", BM_documents)
       ->ArgNames({"form", "k"})
       ->ArgsProduct({{0, 1, 2}, documents})
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
+  benchmark::RegisterBenchmark("documents_backward", BM_documents_backward)
+      ->ArgNames({"form", "k"})
+      ->ArgsProduct({{0, 2}, documents})
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime();
   benchmark::RegisterBenchmark("kv_ragged", BM_kv_ragged)

@@ -4,6 +4,7 @@
 // finite differences of the reference forward in long double; determinism, 16-bit storage,
 // strided views and every error message.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -46,6 +47,19 @@ std::vector<T> flat(const attn::Tensor<T, R>& t) {
   return std::vector<T>(t.data(), t.data() + t.size());
 }
 
+/// A backward kernel and its tiles (0 = default).
+struct BackwardRun {
+  attn::Algorithm algorithm;
+  Index query_tile, key_tile;
+};
+
+/// The runs a comparison makes: naive, flash with default tiles, flash with tiles of
+/// query_tile x key_tile (not whole vectors).
+std::array<BackwardRun, 3> backward_runs(Index query_tile, Index key_tile) {
+  return {BackwardRun{attn::Algorithm::naive, 0, 0}, BackwardRun{attn::Algorithm::flash, 0, 0},
+          BackwardRun{attn::Algorithm::flash, query_tile, key_tile}};
+}
+
 const attn_test::json& backward_case(const std::string& name) {
   for (const auto& c : attn_test::fixture("backward.json").at("cases")) {
     if (c.at("name").get<std::string>() == name)
@@ -80,12 +94,7 @@ void fixtures_match_autograd() {
     }
     const double tolerance = std::max(
         base_tolerance, 8 * static_cast<double>(std::numeric_limits<T>::epsilon()) * largest_lse);
-    struct Run {
-      attn::Algorithm algorithm;
-      Index query_tile, key_tile;
-    };
-    for (const Run run : {Run{attn::Algorithm::naive, 0, 0}, Run{attn::Algorithm::flash, 0, 0},
-                          Run{attn::Algorithm::flash, 3, 2}}) {
+    for (const BackwardRun run : backward_runs(3, 2)) {
       INFO(attn::algorithm_name(run.algorithm)
            << ", tiles " << run.query_tile << " x " << run.key_tile);
       attn::AttentionOptions<T> options = s.options;
@@ -343,12 +352,7 @@ void packed_against_reference() {
     o.options.query_lengths.clear();
     if (p.mask_mod)
       o.options.mask_mod = attn::MaskMod(mod);
-    struct Run {
-      attn::Algorithm algorithm;
-      Index query_tile, key_tile;
-    };
-    for (const Run run : {Run{attn::Algorithm::naive, 0, 0}, Run{attn::Algorithm::flash, 0, 0},
-                          Run{attn::Algorithm::flash, 5, 7}}) {
+    for (const BackwardRun run : backward_runs(5, 7)) {
       INFO(attn::algorithm_name(run.algorithm)
            << ", tiles " << run.query_tile << " x " << run.key_tile);
       o.options.algorithm = run.algorithm;
