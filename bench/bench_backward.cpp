@@ -7,6 +7,11 @@
 //       pass 0: the flash forward (scaled_dot_product_attention_into, with logsumexp)
 //       pass 1: the flash backward (scaled_dot_product_attention_backward_into)
 //       pass 2: the naive backward (materialised probabilities), L <= 2048
+//   backward_over_forward/D:<D>/L:<L>/causal:<c>/threads:<t>
+//       each iteration runs the flash forward, then the flash backward, and times both: the
+//       counter `ratio` is the median over the iterations of backward time / forward time,
+//       each pair measured within a second, so that the drift of a shared machine's speed
+//       over minutes (which moves separately timed families by 10% and more) cancels
 // FLOPs: the forward's two products 4 L^2 D per head, the backward's five 10 L^2 D (the
 // counts FlashAttention reports); halved under the causal mask. So "backward time over
 // forward time" is 2.5 * (forward FLOP/s) / (backward FLOP/s), and the share of the FMA peak
@@ -18,6 +23,7 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -124,6 +130,38 @@ void BM_attention(benchmark::State& state) {
   set_threads(1);
 }
 
+void BM_backward_over_forward(benchmark::State& state) {
+  const Index dim = state.range(0), length = state.range(1);
+  const bool causal = state.range(2) != 0;
+  set_threads(static_cast<int>(state.range(3)));
+  if (const std::string problem = check_flash_backward(dim); !problem.empty()) {
+    state.SkipWithError(problem.c_str());
+    return;
+  }
+  Problem p(length, dim);
+  attn::AttentionOptions<float> options;
+  options.causal = causal ? attn::Causal::top_left : attn::Causal::none;
+  p.forward(options);
+  p.backward(options);  // the first touch of every buffer outside the timing
+  std::vector<double> ratios;
+  using Clock = std::chrono::steady_clock;
+  for (auto _ : state) {
+    const auto start = Clock::now();
+    p.forward(options);
+    const auto middle = Clock::now();
+    p.backward(options);
+    const auto end = Clock::now();
+    benchmark::DoNotOptimize(p.dq.data());
+    benchmark::DoNotOptimize(p.out.data());
+    ratios.push_back(std::chrono::duration<double>(end - middle).count() /
+                     std::chrono::duration<double>(middle - start).count());
+    state.SetIterationTime(std::chrono::duration<double>(end - start).count());
+  }
+  std::sort(ratios.begin(), ratios.end());
+  state.counters["ratio"] = ratios.empty() ? 0.0 : ratios[ratios.size() / 2];
+  set_threads(1);
+}
+
 void register_all() {
   attn_bench::register_fma_peak();
   const std::vector<std::int64_t> lengths =
@@ -139,6 +177,13 @@ void register_all() {
           ->UseRealTime();
     }
   }
+  auto* paired = benchmark::RegisterBenchmark("backward_over_forward", BM_backward_over_forward)
+                     ->ArgNames({"D", "L", "causal", "threads"})
+                     ->ArgsProduct({{64, 128}, lengths, {0, 1}, {1, 2}})
+                     ->Unit(benchmark::kMillisecond)
+                     ->UseManualTime();
+  if (!smoke())
+    paired->MinTime(2.0);  // several pairs at L = 1024 .. 2048
 }
 
 }  // namespace

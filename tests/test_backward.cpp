@@ -148,6 +148,42 @@ std::vector<long double> as_long_double(const std::vector<T>& x) {
   return std::vector<long double>(x.begin(), x.end());
 }
 
+/// Random q, k, v and dout of problem p (drawn in that order), and the reference's forward
+/// and gradients of their exact values: in long double (the truth) and in T (the plain
+/// loops, whose error sets the bounds).
+template <class T>
+struct ReferenceProblem {
+  Heads<T> q, k, v, dout;
+  attn_test::reference::Result<long double> forward_truth;
+  attn_test::reference::Result<T> forward_plain;
+  attn_test::reference::Gradients<long double> truth;
+  attn_test::reference::Gradients<T> plain;
+
+  ReferenceProblem(const attn_test::reference::Problem& p, std::mt19937& rng)
+      : q(attn_test::random_heads<T>(p.batch, p.q_heads, p.q_length, p.dim, rng)),
+        k(attn_test::random_heads<T>(p.batch, p.kv_heads, p.k_length, p.dim, rng)),
+        v(attn_test::random_heads<T>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng)),
+        dout(attn_test::random_heads<T>(p.batch, p.q_heads, p.q_length, p.value_dim, rng)) {
+    const auto qe = attn_test::exact(q), ke = attn_test::exact(k), ve = attn_test::exact(v),
+               de = attn_test::exact(dout);
+    forward_truth = attn_test::reference::attention<long double>(p, qe, ke, ve);
+    forward_plain = attn_test::reference::attention<T>(p, qe, ke, ve);
+    truth = attn_test::reference::gradients<long double>(p, qe, ke, ve, de);
+    plain = attn_test::reference::gradients<T>(p, qe, ke, ve, de);
+  }
+};
+
+/// FlashAttention's rule: the error of `actual` against the truth at most twice the plain
+/// loops' (attn_test::error_bound).
+template <class T, class A, class E, class P>
+void check_within_plain_bound(const char* name, const A& actual, const E& expected,
+                              const P& plain) {
+  const double error = attn_test::max_error(actual, expected);
+  const double bound = attn_test::error_bound<T>(attn_test::max_error(plain, expected));
+  INFO(name << ": error " << error << ", bound " << bound);
+  CHECK(error <= bound);
+}
+
 /// One problem: the backward of each algorithm against the long double reference; each
 /// gradient's error at most twice the plain loops' in T (FlashAttention's rule).
 template <class T>
@@ -155,24 +191,19 @@ void check_against_reference(attn_test::reference::Problem p, int kind, std::mt1
                              Index query_tile, Index key_tile) {
   attn_test::round_numbers_to<T>(p);
   INFO(attn_test::describe(p, kind) << ", query_tile " << query_tile << ", key_tile " << key_tile);
-  const Heads<T> q = attn_test::random_heads<T>(p.batch, p.q_heads, p.q_length, p.dim, rng);
-  const Heads<T> k = attn_test::random_heads<T>(p.batch, p.kv_heads, p.k_length, p.dim, rng);
-  const Heads<T> v = attn_test::random_heads<T>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng);
-  const Heads<T> dout =
-      attn_test::random_heads<T>(p.batch, p.q_heads, p.q_length, p.value_dim, rng);
-  const auto qe = attn_test::exact(q), ke = attn_test::exact(k), ve = attn_test::exact(v),
-             de = attn_test::exact(dout);
-  const auto truth = attn_test::reference::gradients<long double>(p, qe, ke, ve, de);
-  const auto plain = attn_test::reference::gradients<T>(p, qe, ke, ve, de);
+  const ReferenceProblem<T> r(p, rng);
+  const Heads<T>& q = r.q;
+  const Heads<T>& k = r.k;
+  const Heads<T>& v = r.v;
+  const Heads<T>& dout = r.dout;
+  const auto& truth = r.truth;
+  const auto& plain = r.plain;
   const bool with_bias = !p.bias.empty();
   const std::vector<long double> truth_dbias =
       with_bias ? reduce_to_bias(truth.dbias, p) : std::vector<long double>{};
   const std::vector<long double> plain_dbias =
       with_bias ? reduce_to_bias(as_long_double(plain.dbias), p) : std::vector<long double>{};
 
-  const auto forward_truth = attn_test::reference::attention<long double>(p, qe, ke, ve);
-  const double forward_bound = attn_test::error_bound<T>(attn_test::max_error(
-      attn_test::reference::attention<T>(p, qe, ke, ve).out, forward_truth.out));
   attn_test::AttnOptions<T> o(p);
   Heads<T> out(p.batch, p.q_heads, p.q_length, p.value_dim);
   std::vector<T> lse(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
@@ -185,7 +216,7 @@ void check_against_reference(attn_test::reference::Problem p, int kind, std::mt1
     // regenerates).
     attn::scaled_dot_product_attention_into<T>(q.cview(), k.cview(), v.cview(), out.view(),
                                                o.options, nullptr, lse.data());
-    CHECK(attn_test::max_error(out.data, forward_truth.out) <= forward_bound);
+    check_within_plain_bound<T>("out", out.data, r.forward_truth.out, r.forward_plain.out);
     Heads<T> dq(p.batch, p.q_heads, p.q_length, p.dim), dk(p.batch, p.kv_heads, p.k_length, p.dim),
         dv(p.batch, p.kv_heads, p.k_length, p.value_dim);
     std::vector<T> dbias(truth_dbias.size()), dsinks(p.sinks.size());
@@ -193,20 +224,13 @@ void check_against_reference(attn_test::reference::Problem p, int kind, std::mt1
         q.cview(), k.cview(), v.cview(), out.cview(), lse.data(), dout.cview(), dq.view(),
         dk.view(), dv.view(), o.options, with_bias ? dbias.data() : nullptr,
         p.sinks.empty() ? nullptr : dsinks.data());
-    const auto check = [](const char* name, const auto& actual, const auto& expected,
-                          const auto& plain_values) {
-      const double error = attn_test::max_error(actual, expected);
-      const double bound = attn_test::error_bound<T>(attn_test::max_error(plain_values, expected));
-      INFO(name << ": error " << error << ", bound " << bound);
-      CHECK(error <= bound);
-    };
-    check("dq", dq.data, truth.dq, plain.dq);
-    check("dk", dk.data, truth.dk, plain.dk);
-    check("dv", dv.data, truth.dv, plain.dv);
+    check_within_plain_bound<T>("dq", dq.data, truth.dq, plain.dq);
+    check_within_plain_bound<T>("dk", dk.data, truth.dk, plain.dk);
+    check_within_plain_bound<T>("dv", dv.data, truth.dv, plain.dv);
     if (with_bias)
-      check("dbias", dbias, truth_dbias, plain_dbias);
+      check_within_plain_bound<T>("dbias", dbias, truth_dbias, plain_dbias);
     if (!p.sinks.empty())
-      check("dsinks", dsinks, truth.dsinks, plain.dsinks);
+      check_within_plain_bound<T>("dsinks", dsinks, truth.dsinks, plain.dsinks);
   }
 }
 
@@ -319,18 +343,9 @@ void packed_against_reference() {
       cu_q.push_back(cu_q.back() + c.q_lengths[static_cast<std::size_t>(b)]);
       cu_k.push_back(cu_k.back() + c.k_lengths[static_cast<std::size_t>(b)]);
     }
-    const Heads<T> q = attn_test::random_heads<T>(p.batch, p.q_heads, p.q_length, p.dim, rng);
-    const Heads<T> k = attn_test::random_heads<T>(p.batch, p.kv_heads, p.k_length, p.dim, rng);
-    const Heads<T> v =
-        attn_test::random_heads<T>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng);
-    const Heads<T> dout =
-        attn_test::random_heads<T>(p.batch, p.q_heads, p.q_length, p.value_dim, rng);
-    const auto qe = attn_test::exact(q), ke = attn_test::exact(k), ve = attn_test::exact(v),
-               de = attn_test::exact(dout);
-    const auto truth = attn_test::reference::gradients<long double>(p, qe, ke, ve, de);
-    const auto plain = attn_test::reference::gradients<T>(p, qe, ke, ve, de);
-    const auto forward_truth = attn_test::reference::attention<long double>(p, qe, ke, ve);
-    const auto forward_plain = attn_test::reference::attention<T>(p, qe, ke, ve);
+    const ReferenceProblem<T> r(p, rng);
+    const auto& truth = r.truth;
+    const auto& plain = r.plain;
 
     const auto pack_q = [&](const auto& x, Index dim) {
       return pack_rows(x, p.q_heads, p.q_length, dim, cu_q);
@@ -338,8 +353,8 @@ void packed_against_reference() {
     const auto pack_k = [&](const auto& x, Index dim) {
       return pack_rows(x, p.kv_heads, p.k_length, dim, cu_k);
     };
-    const std::vector<T> qt = pack_q(q.data, p.dim), kt = pack_k(k.data, p.dim),
-                         vt = pack_k(v.data, p.value_dim), dt = pack_q(dout.data, p.value_dim);
+    const std::vector<T> qt = pack_q(r.q.data, p.dim), kt = pack_k(r.k.data, p.dim),
+                         vt = pack_k(r.v.data, p.value_dim), dt = pack_q(r.dout.data, p.value_dim);
     const Index tq = cu_q.back(), tk = cu_k.back();
     const auto cview = [](const std::vector<T>& x, Index t, Index h, Index d) {
       return attn::blhd_view(x.data(), 1, t, h, d);
@@ -364,10 +379,8 @@ void packed_against_reference() {
           cview(qt, tq, p.q_heads, p.dim), cview(kt, tk, p.kv_heads, p.dim),
           cview(vt, tk, p.kv_heads, p.value_dim), view(out, tq, p.q_heads, p.value_dim), cu_q, cu_k,
           o.options, lse.data());
-      const auto out_truth = pack_q(forward_truth.out, p.value_dim);
-      CHECK(attn_test::max_error(out, out_truth) <=
-            attn_test::error_bound<T>(
-                attn_test::max_error(pack_q(forward_plain.out, p.value_dim), out_truth)));
+      check_within_plain_bound<T>("out", out, pack_q(r.forward_truth.out, p.value_dim),
+                                  pack_q(r.forward_plain.out, p.value_dim));
       std::vector<T> dq(qt.size()), dk(kt.size()), dv(vt.size()), dsinks(p.sinks.size());
       attn::scaled_dot_product_attention_varlen_backward_into<T>(
           cview(qt, tq, p.q_heads, p.dim), cview(kt, tk, p.kv_heads, p.dim),
@@ -375,19 +388,12 @@ void packed_against_reference() {
           lse.data(), cview(dt, tq, p.q_heads, p.value_dim), view(dq, tq, p.q_heads, p.dim),
           view(dk, tk, p.kv_heads, p.dim), view(dv, tk, p.kv_heads, p.value_dim), cu_q, cu_k,
           o.options, p.sinks.empty() ? nullptr : dsinks.data());
-      const auto check = [](const char* name, const auto& actual, const auto& expected,
-                            const auto& plain_values) {
-        const double error = attn_test::max_error(actual, expected);
-        const double bound =
-            attn_test::error_bound<T>(attn_test::max_error(plain_values, expected));
-        INFO(name << ": error " << error << ", bound " << bound);
-        CHECK(error <= bound);
-      };
-      check("dq", dq, pack_q(truth.dq, p.dim), pack_q(plain.dq, p.dim));
-      check("dk", dk, pack_k(truth.dk, p.dim), pack_k(plain.dk, p.dim));
-      check("dv", dv, pack_k(truth.dv, p.value_dim), pack_k(plain.dv, p.value_dim));
+      check_within_plain_bound<T>("dq", dq, pack_q(truth.dq, p.dim), pack_q(plain.dq, p.dim));
+      check_within_plain_bound<T>("dk", dk, pack_k(truth.dk, p.dim), pack_k(plain.dk, p.dim));
+      check_within_plain_bound<T>("dv", dv, pack_k(truth.dv, p.value_dim),
+                                  pack_k(plain.dv, p.value_dim));
       if (!p.sinks.empty())
-        check("dsinks", dsinks, truth.dsinks, plain.dsinks);
+        check_within_plain_bound<T>("dsinks", dsinks, truth.dsinks, plain.dsinks);
     }
   }
 }

@@ -14,11 +14,16 @@
 // tiles and sums dq with atomics; here one item owns a whole kv head and its query heads instead,
 // so the order is fixed).
 //
-// Extra memory per thread: W (D + Dv) + 3 Bq W + 2 Bq scalars for the tiles (2 Bq W without
-// softcap, one more Bq W with dropout; W = Bk rounded up to whole vectors) and G * Lq for the
-// rows' deltas, independent of Lk and only G * Lq scalars in Lq: 225 KiB at the default
-// Bq = 64, Bk = 128, D = Dv = 128 (a key tile of 128 halves the passes over q, dout and dq
-// that a tile of 64 makes: at L = 4096 they no longer fit in L2). With
+// The tiles' rows are copied into (or packed as) rows 16 elements longer than they need (k,
+// q and dout tiles, and kt, vt, s, dp): the heads' own row strides are usually a power of two
+// (D = 128: 512 bytes), and the rows one register block reads then share a few L1 sets.
+//
+// Extra memory per thread, with P = 16: (W + P)(D + Dv) + 3 Bq (W + P) + 2 Bq scalars for
+// the tiles (2 Bq (W + P) without softcap, one more with dropout; W = Bk rounded up to whole
+// vectors), W (D + P) + Bq (D + Dv + 2 P) for the copies of the k, q and dout rows, and
+// G * Lq for the rows' deltas, independent of Lk and only G * Lq scalars in Lq: 396 KiB at
+// the default Bq = 64, Bk = 128, D = Dv = 128 (a key tile of 128 halves the passes over q,
+// dout and dq that a tile of 64 makes: at L = 4096 they no longer fit in L2). With
 // 16-bit storage add one widened head of each of q, out and dout (Lq, D + 2 Dv) per query
 // head of the group, of k and v (Lk, D + Dv), and float accumulators for dq (G Lq, D) and
 // dk, dv (Lk, D + Dv).
@@ -49,30 +54,49 @@
 
 namespace attn::detail {
 
+/// Every row of a backward tile is this many elements longer than its width: with rows of
+/// a power-of-two length (128 keys, D = 128: 512 bytes) the 64 to 128 rows a product reads
+/// for one register block fall into a few L1 sets and evict each other.
+inline constexpr Index backward_row_padding = 16;
+
 /// The per-thread scratch of the flash backward: key tiles of up to `width` (padded) keys,
-/// query tiles of up to `rows` rows.
+/// query tiles of up to `rows` rows; all rows `backward_row_padding` longer than they need.
 template <class T>
 struct BackwardWorkspace {
-  Index width = 0, rows = 0;
-  Scratch<T> kt, vt;            // (D, W), (Dv, W)
-  Scratch<T> s, dp, raw, drop;  // (Bq, W) each; raw with softcap, drop with dropout
-  Scratch<T> shift, sums;       // (Bq), (Bq)
+  Index width = 0, rows = 0, stride = 0;  // stride: of kt, vt, s, dp, raw and drop
+  Scratch<T> kt, vt;                      // (D, W), (Dv, W)
+  Scratch<T> s, dp, raw, drop;            // (Bq, W) each; raw with softcap, drop with dropout
+  Scratch<T> shift, sums;                 // (Bq), (Bq)
+  Scratch<T> k, q, dout;                  // (W, D), (Bq, D), (Bq, Dv): copies of the tiles' rows
 
   void reserve(Index w, Index bq, Index dim, Index value_dim, bool softcap, bool dropout) {
     width = w;
     rows = bq;
-    kt.resize(dim, w);
-    vt.resize(value_dim, w);
-    s.resize(bq, w);
-    dp.resize(bq, w);
+    stride = w + backward_row_padding;
+    kt.resize(dim, stride);
+    vt.resize(value_dim, stride);
+    s.resize(bq, stride);
+    dp.resize(bq, stride);
     if (softcap)
-      raw.resize(bq, w);
+      raw.resize(bq, stride);
     if (dropout)
-      drop.resize(bq, w);
+      drop.resize(bq, stride);
     shift.resize(bq);
     sums.resize(bq);
+    k.resize(w, dim + backward_row_padding);
+    q.resize(bq, dim + backward_row_padding);
+    dout.resize(bq, value_dim + backward_row_padding);
   }
 };
+
+/// dst[r, 0:cols) = src[r, 0:cols) for r < rows (row strides in elements).
+template <class T>
+void copy_rows(const T* src, Index src_stride, Index rows, Index cols, T* dst, Index dst_stride) {
+  if (cols == 0)
+    return;  // src may be null
+  for (Index r = 0; r < rows; ++r)
+    std::copy_n(src + r * src_stride, cols, dst + r * dst_stride);
+}
 
 /// What the backward reads and writes for one query head: q, dout and dq rows, the saved
 /// log-sum-exp and delta_i = dout_i . out_i.

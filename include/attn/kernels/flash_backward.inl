@@ -10,11 +10,14 @@
 // queries on the rows:
 //
 //   kt, vt    (D, W), (Dv, W)   scale * k tile^T and v tile^T, packed once per key tile
+//   k         (W, D)            the key tile's rows, copied once per key tile
 //   s         (Bq, W)           scores -> p of one query tile
 //   dp        (Bq, W)           dout v^T -> scale * ds
-//   q, dout   read in place, not transposed, not packed (each element broadcast)
+//   q, dout   (Bq, D), (Bq, Dv) the query tile's rows, copied (not transposed: each element
+//                               is broadcast)
 //   dk, dv    the key tile's rows, summed in place over the query tiles and the query heads
 //             of the group
+// (every row of these tiles backward_row_padding elements longer than it needs)
 //
 // so that every product is the forward's scores register block (scores_block):
 //   s = q kt,  dp = dout vt              (scores: a row of q times the rows of kt)
@@ -35,7 +38,7 @@ struct BackwardKernels {
   /// The gradients through keys [j0, j0 + keys) of one (b, kv head): dk and dv of those keys
   /// written, the dq of every query of the `group` query heads that sees them accumulated.
   /// `heads` gives, for query head g of the group, its q, dout, lse, delta and dq (all rows).
-  ///   pass 1: kt = scale * k tile^T, vt = v tile^T
+  ///   pass 1: the k tile copied, kt = scale * k tile^T, vt = v tile^T
   ///   pass 2: for each query head of the group, each query tile [i0, i1) the mask does not
   ///           hide on this key tile:
   ///             s = q kt, masked as in the forward (and -inf in the padding columns);
@@ -54,18 +57,23 @@ struct BackwardKernels {
                                 Index j0, Index keys, Index query_tile,
                                 BackwardWorkspace<T>& workspace) {
     constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-    const Index j1 = j0 + keys, width = padded(keys), stride = width;
+    const Index j1 = j0 + keys, width = padded(keys), stride = workspace.stride;
     const Index dim = k.cols(), value_dim = v.cols();
+    const Index k_stride = dim + backward_row_padding, q_stride = k_stride;
+    const Index dout_stride = value_dim + backward_row_padding;
     ATTN_ASSERT(keys > 0 && width <= workspace.width && query_tile <= workspace.rows);
     T* kt = workspace.kt.data();
     T* vt = workspace.vt.data();
     T* s = workspace.s.data();
     T* dp = workspace.dp.data();
     T* shift = workspace.shift.data();
-    const T* k_tile = row_of(k, j0);
+    T* k_tile = workspace.k.data();
+    T* q_rows = workspace.q.data();
+    T* dout_rows = workspace.dout.data();
     T* dk_tile = row_of(dk, j0);
     T* dv_tile = row_of(dv, j0);
-    pack_queries(k_tile, k.outerStride(), keys, dim, scale, kt, stride, width);  // pass 1
+    copy_rows(row_of(k, j0), k.outerStride(), keys, dim, k_tile, k_stride);  // pass 1
+    pack_queries(k_tile, k_stride, keys, dim, scale, kt, stride, width);
     pack_queries(row_of(v, j0), v.outerStride(), keys, value_dim, T(1), vt, stride, width);
     dk.middleRows(j0, keys).setZero();
     dv.middleRows(j0, keys).setZero();
@@ -78,10 +86,10 @@ struct BackwardKernels {
         const TileVisibility visibility = mask.classify(b, h, i0, i1, j0, j1);
         if (visibility == TileVisibility::hidden)
           continue;
-        const T* q_rows = row_of(head.q, i0);
-        const T* dout_rows = row_of(head.dout, i0);
-        scores(q_rows, head.q.outerStride(), rows, kt, stride, dim, width, s, stride,
-               static_cast<T*>(nullptr));
+        copy_rows(row_of(head.q, i0), head.q.outerStride(), rows, dim, q_rows, q_stride);
+        copy_rows(row_of(head.dout, i0), head.dout.outerStride(), rows, value_dim, dout_rows,
+                  dout_stride);
+        scores(q_rows, q_stride, rows, kt, stride, dim, width, s, stride, static_cast<T*>(nullptr));
         if (softcap)  // the raw scores, for the derivative of tanh
           std::copy_n(s, rows * stride, workspace.raw.data());
         hide(mask, visibility, b, h, i0, rows, j0, keys, width, s, stride);
@@ -97,10 +105,10 @@ struct BackwardKernels {
                         workspace.drop.data() + r * stride, dp + r * stride);
           }
         }
-        add_product<true>(dropout.active() ? dp : s, stride, keys, dout_rows,
-                          head.dout.outerStride(), rows, value_dim, dv_tile, dv.outerStride());
+        add_product<true>(dropout.active() ? dp : s, stride, keys, dout_rows, dout_stride, rows,
+                          value_dim, dv_tile, dv.outerStride());
         if (value_dim > 0) {
-          scores(dout_rows, head.dout.outerStride(), rows, vt, stride, value_dim, width, dp, stride,
+          scores(dout_rows, dout_stride, rows, vt, stride, value_dim, width, dp, stride,
                  static_cast<T*>(nullptr));
         } else {  // Dv = 0: dp is 0 (and vt an empty buffer)
           std::fill_n(dp, rows * stride, T(0));
@@ -112,9 +120,8 @@ struct BackwardKernels {
         }
         if (softcap)
           softcap_derivative(workspace.raw.data(), rows * stride, *softcap, dp);
-        add_product<true>(dp, stride, keys, q_rows, head.q.outerStride(), rows, dim, dk_tile,
-                          dk.outerStride());
-        add_product(dp, stride, rows, k_tile, k.outerStride(), keys, dim, row_of(head.dq, i0),
+        add_product<true>(dp, stride, keys, q_rows, q_stride, rows, dim, dk_tile, dk.outerStride());
+        add_product(dp, stride, rows, k_tile, k_stride, keys, dim, row_of(head.dq, i0),
                     head.dq.outerStride());
       }
     }
