@@ -96,18 +96,27 @@ std::string check_flash_backward(Index dim) {
   return error <= 1e-3f ? "" : "flash and naive backward differ by " + std::to_string(error);
 }
 
+/// The benchmarks' shared start: `threads` set, the flash backward checked (false: the
+/// state skips with what differs), and options causal or not.
+bool prepare(benchmark::State& state, Index dim, bool causal, Index threads,
+             attn::AttentionOptions<float>& options) {
+  set_threads(static_cast<int>(threads));
+  if (const std::string problem = check_flash_backward(dim); !problem.empty()) {
+    state.SkipWithError(problem.c_str());
+    return false;
+  }
+  options.causal = causal ? attn::Causal::top_left : attn::Causal::none;
+  return true;
+}
+
 void BM_attention(benchmark::State& state) {
   const int pass = static_cast<int>(state.range(0));
   const Index dim = state.range(1), length = state.range(2);
   const bool causal = state.range(3) != 0;
-  set_threads(static_cast<int>(state.range(4)));
-  if (const std::string problem = check_flash_backward(dim); !problem.empty()) {
-    state.SkipWithError(problem.c_str());
-    return;
-  }
-  Problem p(length, dim);
   attn::AttentionOptions<float> options;
-  options.causal = causal ? attn::Causal::top_left : attn::Causal::none;
+  if (!prepare(state, dim, causal, state.range(4), options))
+    return;
+  Problem p(length, dim);
   p.forward(options);
   options.algorithm = pass == 2 ? attn::Algorithm::naive : attn::Algorithm::flash;
   const auto run = [&] {
@@ -133,14 +142,10 @@ void BM_attention(benchmark::State& state) {
 void BM_backward_over_forward(benchmark::State& state) {
   const Index dim = state.range(0), length = state.range(1);
   const bool causal = state.range(2) != 0;
-  set_threads(static_cast<int>(state.range(3)));
-  if (const std::string problem = check_flash_backward(dim); !problem.empty()) {
-    state.SkipWithError(problem.c_str());
-    return;
-  }
-  Problem p(length, dim);
   attn::AttentionOptions<float> options;
-  options.causal = causal ? attn::Causal::top_left : attn::Causal::none;
+  if (!prepare(state, dim, causal, state.range(3), options))
+    return;
+  Problem p(length, dim);
   p.forward(options);
   p.backward(options);  // the first touch of every buffer outside the timing
   std::vector<double> ratios;
