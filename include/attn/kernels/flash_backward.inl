@@ -90,8 +90,10 @@ struct BackwardKernels {
         copy_rows(row_of(head.dout, i0), head.dout.outerStride(), rows, value_dim, dout_rows,
                   dout_stride);
         scores(q_rows, q_stride, rows, kt, stride, dim, width, s, stride, static_cast<T*>(nullptr));
-        if (softcap)  // the raw scores, for the derivative of tanh
-          std::copy_n(s, rows * stride, workspace.raw.data());
+        if (softcap) {  // the raw scores, for the derivative of tanh (not the rows' padding)
+          for (Index r = 0; r < rows; ++r)
+            std::copy_n(s + r * stride, width, workspace.raw.data() + r * stride);
+        }
         hide(mask, visibility, b, h, i0, rows, j0, keys, width, s, stride);
         for (Index r = 0; r < rows; ++r) {
           const T lse = head.lse[i0 + r];
@@ -118,8 +120,10 @@ struct BackwardKernels {
                              dropout.active() ? workspace.drop.data() + r * stride : nullptr,
                              head.delta[i0 + r], scale, width, dp + r * stride);
         }
-        if (softcap)
-          softcap_derivative(workspace.raw.data(), rows * stride, *softcap, dp);
+        if (softcap) {
+          for (Index r = 0; r < rows; ++r)
+            softcap_derivative(workspace.raw.data() + r * stride, width, *softcap, dp + r * stride);
+        }
         add_product<true>(dp, stride, keys, q_rows, q_stride, rows, dim, dk_tile, dk.outerStride());
         add_product(dp, stride, rows, k_tile, k_stride, keys, dim, row_of(head.dq, i0),
                     head.dq.outerStride());
