@@ -10,8 +10,9 @@
 //   backward_over_forward/D:<D>/L:<L>/causal:<c>/threads:<t>
 //       each iteration runs the flash forward, then the flash backward, and times both: the
 //       counter `ratio` is the median over the iterations of backward time / forward time,
-//       each pair measured within a second, so that the drift of a shared machine's speed
-//       over minutes (which moves separately timed families by 10% and more) cancels
+//       the two halves of each pair run back to back, so that the drift of a shared
+//       machine's speed over minutes (which moves separately timed families by 10% and more)
+//       cancels
 // FLOPs: the forward's two products 4 L^2 D per head, the backward's five 10 L^2 D (the
 // counts FlashAttention reports); halved under the causal mask. So "backward time over
 // forward time" is 2.5 * (forward FLOP/s) / (backward FLOP/s), and the share of the FMA peak
