@@ -16,7 +16,8 @@
 //                          D = 64, 128, K and V float (half:0) or Eigen::half (half:1, the
 //                          kernel called directly)
 //   decode_before          what one query ran before the decode kernel: naive (automatic's
-//                          choice for Lq * Lk <= 64 * 64) and flash
+//                          choice for Lq * Lk <= 64 * 64 until bench_plan's crossovers) and
+//                          flash
 //   decode_vs_flash_by_Lq  Lq = 1 .. 32 at Lk = 4096: where decode stops paying
 //   decode_isa/<isa>, decode_vs_flash_by_Lq_isa/<isa>   the same with the products of one
 //                          instruction set forced (attn/cpu.hpp), for each one this CPU has:
@@ -177,8 +178,8 @@ void register_all() {
   const std::vector<std::string> arg_names{"Lq", "Lk",      "Hq",   "Hkv",
                                            "D",  "threads", "half", "kernel"};
   const auto kernel = [](Kernel k) { return static_cast<std::int64_t>(k); };
-  // The decode kernel (explicitly: automatic sends Lq * Lk <= 64 * 64 to naive), K and V in
-  // float and in half.
+  // The decode kernel (explicitly, as automatic's choice depends on the instruction set), K
+  // and V in float and in half.
   for (const auto& [q_heads, kv_heads] : {std::pair<std::int64_t, std::int64_t>{8, 8},
                                           std::pair<std::int64_t, std::int64_t>{32, 8}}) {
     benchmark::RegisterBenchmark("decode", BM_decode)

@@ -335,15 +335,49 @@ TEST_CASE("decode handles no keys and no queries", "[decode][isa]") {
 }
 
 TEST_CASE("automatic picks decode for few queries", "[decode][isa]") {
-  const auto plan = [](Index q_length, attn::Algorithm algorithm, bool weights) {
-    return attn::plan_attention<float>({1, 8, 8, q_length, 8192, 64, 64}, algorithm, 0, 0, weights,
-                                       false, "f");
+  const attn::Isa isa = attn::active_isa();
+  const auto plan = [](Index q_heads, Index q_length, Index k_length, attn::Algorithm algorithm,
+                       bool weights, Index kv_bytes = 4) {
+    return attn::plan_attention<float>({1, q_heads, 8, q_length, k_length, 64, 64, kv_bytes},
+                                       algorithm, 0, 0, weights, false, "f");
   };
-  const Index most = attn::decode_max_queries(attn::active_isa());
-  REQUIRE(plan(1, attn::Algorithm::automatic, false).algorithm == attn::Algorithm::decode);
-  REQUIRE(plan(most, attn::Algorithm::automatic, false).algorithm == attn::Algorithm::decode);
-  REQUIRE(plan(most + 1, attn::Algorithm::automatic, false).algorithm == attn::Algorithm::flash);
-  REQUIRE_THROWS_WITH(plan(1, attn::Algorithm::decode, true),
+  const auto automatic = [&](Index q_heads, Index q_length, Index k_length, Index kv_bytes = 4) {
+    return plan(q_heads, q_length, k_length, attn::Algorithm::automatic, false, kv_bytes).algorithm;
+  };
+  // The crossovers of plan.hpp's table, on both sides of each: flash's pass over one kv head
+  // of 32768 keys reads 16 MiB in float (beyond flash_cached_bytes), of 1024 keys 512 KiB.
+  for (const Index k_length : {Index(1024), Index(32768)}) {
+    const double flash_bytes = static_cast<double>(k_length) * 128 * 4;  // G = 1
+    const Index most = attn::decode_max_queries(isa, false, flash_bytes);
+    CAPTURE(k_length, most);
+    REQUIRE(most >= 4);
+    REQUIRE(automatic(32, 1, k_length) == attn::Algorithm::decode);  // G * Lq = 4 rows
+    REQUIRE(automatic(8, most, k_length) == attn::Algorithm::decode);
+    REQUIRE(automatic(8, most + 1, k_length) == attn::Algorithm::flash);
+  }
+  // One query against a short cache: decode on the vector paths (the old rule sent every
+  // problem of at most 64 * 64 scores per head to naive), naive on the generic one.
+  const bool one_row_naive = attn::automatic_choice(isa, false).naive_max_rows >= 1;
+  REQUIRE(automatic(8, 1, 1024) ==
+          (one_row_naive ? attn::Algorithm::naive : attn::Algorithm::decode));
+  REQUIRE(automatic(8, 1, 64) ==
+          (one_row_naive ? attn::Algorithm::naive : attn::Algorithm::decode));
+  // With G = 4 flash makes four passes: 1024 float keys read 2 MiB, 8192 keys 16 MiB.
+  for (const Index k_length : {Index(1024), Index(8192)}) {
+    const Index most =
+        attn::decode_max_queries(isa, false, 4.0 * static_cast<double>(k_length) * 128 * 4);
+    CAPTURE(k_length, most);
+    REQUIRE(automatic(32, most, k_length) == attn::Algorithm::decode);
+    REQUIRE(automatic(32, most + 1, k_length) == attn::Algorithm::flash);
+  }
+  // 16-bit K and V: half the bytes per key.
+  const Index most_16bit = attn::decode_max_queries(isa, true, 32768.0 * 128 * 2);
+  REQUIRE(automatic(8, most_16bit, 32768, 2) == attn::Algorithm::decode);
+  REQUIRE(automatic(8, most_16bit + 1, 32768, 2) == attn::Algorithm::flash);
+  // Weights force naive; explicit algorithms are kept.
+  REQUIRE(plan(8, 1, 1024, attn::Algorithm::automatic, true).algorithm == attn::Algorithm::naive);
+  REQUIRE(plan(8, 1, 1024, attn::Algorithm::flash, false).algorithm == attn::Algorithm::flash);
+  REQUIRE_THROWS_WITH(plan(8, 1, 8192, attn::Algorithm::decode, true),
                       Contains("weights were requested with Algorithm::decode"));
 }
 

@@ -27,6 +27,9 @@ namespace attn {
 /// The shape of one attention problem: q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv).
 struct AttentionShape {
   Index batch = 0, q_heads = 0, kv_heads = 0, q_length = 0, k_length = 0, dim = 0, value_dim = 0;
+  /// Bytes of one stored element of k and v (2 for half and bfloat16); 0: the compute
+  /// scalar's. The automatic choice depends on it (decode streams K and V).
+  Index kv_element_bytes = 0;
 };
 
 /// How one attention call runs.
@@ -74,16 +77,59 @@ inline constexpr Index decode_split_keys = 512;
 /// Keys per block inside a split (scored and accumulated together).
 inline constexpr Index decode_key_block = 64;
 
-/// Algorithm::automatic uses the decode kernel for at most this many queries per head: up to
-/// there it beats flash (bench_decode's decode_vs_flash_by_Lq; docs/performance.md, "Tuning
-/// choices"). The vector products keep their lead to Lq = 8, Eigen's row-by-row products
-/// to Lq = 4.
-inline Index decode_max_queries(Isa isa) {
-  return isa == Isa::generic ? 4 : 8;
+/// Where the automatic choice changes kernel, measured per instruction set and K/V storage
+/// with bench/bench_plan.cpp's plan_sweep: every algorithm timed in interleaved rounds at
+/// Lq 1 to 64, Lk 64 to 32768, D = 128, Hq = Hkv = 8 and GQA 32/8, float and half K/V, on an
+/// Intel Xeon with AVX-512 (each instruction set forced in turn; the figures are in
+/// docs/performance.md, "How the plan chooses"):
+///   - naive (Eigen's products on whole score rows) never won on the vector paths (1.4 to 9.7
+///     times decode's time below Lk = 4096, where the old rule sent every problem of at most
+///     64 * 64 scores); on the generic path it wins for a single query row per kv head;
+///   - decode reads K and V once per kv head for all G * Lq rows of its group, flash once per
+///     query head with its queries padded to whole vectors: decode leads for few queries, and
+///     for more when flash's G passes over a kv head's K and V no longer hit the cache.
+struct AutomaticChoice {
+  /// G * Lq at most this (the query rows of one kv head): naive.
+  Index naive_max_rows;
+  /// Lq at most this: decode, when flash's passes over one kv head's K and V (G times its
+  /// keys and values) read at most flash_cached_bytes...
+  Index decode_max_queries_cached;
+  /// ...and when they read more.
+  Index decode_max_queries_streamed;
+};
+
+/// The bytes flash reads per kv head, G * Lk * (D + Dv) * sizeof(K/V), up to which the choice
+/// counts them as cached. 8 MiB on the Xeon the crossovers were measured on (2 MiB of L2 per
+/// core): below it the two kernels were within 5% of each other at the crossovers of three
+/// runs, above it decode led by up to 40%; with the bytes of one kv head (G = 1) as the
+/// measure, the worst choice in those runs was 1.33x the fastest.
+inline constexpr double flash_cached_bytes = 8 * 1024 * 1024;
+
+/// The crossovers of `isa` with K and V stored in 16 bits (half, bfloat16) or not.
+inline AutomaticChoice automatic_choice(Isa isa, bool kv_16bit) {
+  switch (isa) {
+    case Isa::avx512:
+      return kv_16bit ? AutomaticChoice{0, 8, 8} : AutomaticChoice{0, 8, 16};
+    case Isa::avx2:
+      return kv_16bit ? AutomaticChoice{0, 8, 8} : AutomaticChoice{0, 4, 8};
+    case Isa::generic:
+      break;
+  }
+  // Eigen's products on all: decode's blocks of G * Lq rows beat flash's tiles to Lq = 64
+  // (0.86-0.93 of its time; its partial results grow with Lq * Lk, so no further); naive's
+  // matrix-vector products win for one row against float K/V, but it widens 16-bit K/V
+  // whole first (1.8x decode's time at Lk = 16384).
+  return kv_16bit ? AutomaticChoice{0, 64, 64} : AutomaticChoice{1, 64, 64};
 }
 
-/// Problems with at most this many scores per head go to naive under Algorithm::automatic.
-inline constexpr Index tiny_problem_scores = Index{64} * 64;
+/// Algorithm::automatic uses the decode kernel for at most this many queries per head (and
+/// naive where G * Lq <= naive_max_rows), flash above; `flash_bytes` = G * Lk * (D + Dv) *
+/// sizeof(K/V).
+inline Index decode_max_queries(Isa isa, bool kv_16bit, double flash_bytes) {
+  const AutomaticChoice choice = automatic_choice(isa, kv_16bit);
+  return flash_bytes <= flash_cached_bytes ? choice.decode_max_queries_cached
+                                           : choice.decode_max_queries_streamed;
+}
 
 /// Flash tiles (query rows, keys) by instruction set, measured with bench_attention at
 /// D = 64 and 128 (docs/performance.md).
@@ -136,12 +182,17 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
   const Isa isa = std::is_same_v<T, float> ? active_isa() : Isa::generic;
   const Index q_length = shape.q_length, k_length = shape.k_length;
   if (requested == Algorithm::automatic) {
-    if (wants_weights || q_length * k_length <= tiny_problem_scores)
+    const Index kv_bytes = shape.kv_element_bytes > 0 ? shape.kv_element_bytes : Index(sizeof(T));
+    const Index group = shape.kv_heads > 0 ? shape.q_heads / shape.kv_heads : 1;
+    const double flash_bytes = static_cast<double>(group * k_length) *
+                               static_cast<double>(shape.dim + shape.value_dim) *
+                               static_cast<double>(kv_bytes);
+    if (wants_weights || group * q_length <= automatic_choice(isa, kv_bytes == 2).naive_max_rows)
       plan.algorithm = Algorithm::naive;
-    else if (dropout)  // dropout runs in naive and flash only
-      plan.algorithm = Algorithm::flash;
+    else if (!dropout && q_length <= decode_max_queries(isa, kv_bytes == 2, flash_bytes))
+      plan.algorithm = Algorithm::decode;  // (dropout runs in naive and flash only)
     else
-      plan.algorithm = q_length <= decode_max_queries(isa) ? Algorithm::decode : Algorithm::flash;
+      plan.algorithm = Algorithm::flash;
   } else {
     if (dropout && requested != Algorithm::naive && requested != Algorithm::flash) {
       detail::throw_invalid_argument(function, std::string("dropout was asked of Algorithm::") +
