@@ -39,7 +39,7 @@
 #include <vector>
 
 #include <attn/cpu.hpp>
-#include <attn/kernels/gemm.hpp>
+#include <attn/kernels/dispatch.hpp>
 #include <attn/tensor.hpp>
 
 #include "common.hpp"

@@ -27,7 +27,7 @@
 
 #include "attn/attention.hpp"
 #include "attn/cpu.hpp"
-#include "attn/kernels/gemm.hpp"
+#include "attn/kernels/dispatch.hpp"
 #include "attn/multihead.hpp"
 #include "attn/projection.hpp"
 

@@ -29,7 +29,7 @@
 
 #include <attn/config.hpp>
 #include <attn/cpu.hpp>
-#include <attn/kernels/gemm.hpp>
+#include <attn/kernels/dispatch.hpp>
 
 using attn::Index;
 using attn::Isa;

@@ -135,10 +135,10 @@ void attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
   }
   check_output_aliasing(function, q, k, v, out);
   const T scale = resolve_scale(function, options.scale, q.dim);
-  const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options);
   const KernelPlan plan = plan_attention<T>(
       {q.batch, q.heads, k.heads, q.length, k.length, q.dim, v.dim, Index(sizeof(TKV))}, options,
       weights != nullptr, function);
+  const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options, plan.isa);
   run_attention(plan, q, k, v, out, mask, scale, weights,
                 padded_rows(logsumexp, q.heads, q.length));
 }
@@ -250,10 +250,10 @@ void varlen_attention_into(const HeadsView<const TQ>& q,            // (1, Hq, T
   const HeadsView<const TQ> qp = packed_view(q, cu_seqlens_q);
   const HeadsView<const TKV> kp = packed_view(k, cu_seqlens_k), vp = packed_view(v, cu_seqlens_k);
   const HeadsView<TO> outp = packed_view(out, cu_seqlens_q);
-  const Mask<T> mask(function, batch, q.heads, qp.length, kp.length, per_sequence);
   const KernelPlan plan = plan_attention<T>(
       {batch, q.heads, k.heads, qp.length, kp.length, q.dim, v.dim, Index(sizeof(TKV))}, options,
       false, function);
+  const Mask<T> mask(function, batch, q.heads, qp.length, kp.length, per_sequence, plan.isa);
   run_attention(plan, qp, kp, vp, outp, mask, scale, static_cast<T*>(nullptr),
                 RowValues<T>{logsumexp, 0, q.length, cu_seqlens_q.data()});
 }

@@ -55,39 +55,7 @@ struct AttentionGradients {
   std::vector<C> dsinks;  ///< (Hq) when options.sinks is given; else empty
 };
 
-/// Flash backward tiles (query rows, keys), measured with bench_backward (docs/training.md).
-inline constexpr Index default_backward_query_tile = 64;
-inline constexpr Index default_backward_key_tile = 128;
-
 namespace detail {
-
-/// The plan of a backward call: naive or flash, the instruction set, tiles, (b, kv head)
-/// work items.
-template <class T>
-KernelPlan plan_backward(const AttentionShape& shape, const AttentionOptions<T>& options,
-                         const char* function) {
-  if (options.query_tile < 0 || options.key_tile < 0) {
-    throw_invalid_argument(function, "query_tile is " + std::to_string(options.query_tile) +
-                                         " and key_tile is " + std::to_string(options.key_tile) +
-                                         ": tile sizes must be >= 0 (0 = default)");
-  }
-  KernelPlan plan;
-  plan.scalar = scalar_name<T>();
-  plan.algorithm = options.algorithm == Algorithm::naive ? Algorithm::naive : Algorithm::flash;
-  plan.isa =
-      plan.algorithm == Algorithm::flash && std::is_same_v<T, float> ? active_isa() : Isa::generic;
-  plan.query_tile = options.query_tile > 0 ? options.query_tile : default_backward_query_tile;
-  plan.key_tile = options.key_tile > 0 ? options.key_tile : default_backward_key_tile;
-  plan.work_items = shape.batch * shape.kv_heads;
-  const double flops = 2.0 * static_cast<double>(shape.q_length) *
-                       static_cast<double>(shape.k_length) *
-                       static_cast<double>(shape.dim + shape.value_dim) *
-                       static_cast<double>(shape.batch * shape.q_heads);
-  plan.parallel = runs_parallel(plan.work_items, flops);
-  plan.threads =
-      plan.parallel ? static_cast<int>(std::min<Index>(max_threads(), plan.work_items)) : 1;
-  return plan;
-}
 
 template <class T>
 std::string view_shape(const HeadsView<T>& x) {
@@ -177,16 +145,15 @@ void run_backward(const char* function, const BackwardViews<S>& views,
   using T = compute_scalar_t<S>;
   const HeadsView<const S>&q = views.q, &k = views.k;
   const T scale = resolve_scale(function, options.scale, q.dim);
-  const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options);
   const KernelPlan plan = plan_backward<T>(
       {q.batch, q.heads, k.heads, q.length, k.length, q.dim, views.v.dim}, options, function);
+  const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options, plan.isa);
   if (plan.algorithm == Algorithm::naive)
     run_naive_backward(plan, views, mask, options.softcap, scale);
   else
     run_flash_backward(plan, views, mask, options.softcap, scale);
   if (dbias != nullptr) {
-    run_bias_gradient(plan.parallel, plan.query_tile, views, mask, scale, options.bias.dims(),
-                      dbias);
+    run_bias_gradient(plan, views, mask, scale, options.bias.dims(), dbias);
   }
   if (dsinks != nullptr)
     sink_gradients(views.out, views.dout, views.lse, mask, dsinks);

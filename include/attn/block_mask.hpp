@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "attn/config.hpp"
+#include "attn/cpu.hpp"
 #include "attn/mods.hpp"
 
 namespace attn {
@@ -28,9 +29,11 @@ class BlockMask {
   /// No block mask.
   BlockMask() = default;
 
-  /// Classifies every block of (batch, heads, q_length, k_length) by evaluating `mask_mod`.
+  /// Classifies every block of (batch, heads, q_length, k_length) by evaluating `mask_mod`,
+  /// with its loops compiled for `isa` (default: the widest instruction set the CPU has; the
+  /// classes do not depend on it).
   BlockMask(MaskMod mask_mod, Index batch, Index heads, Index q_length, Index k_length,
-            Index q_block = 128, Index k_block = 128)
+            Index q_block = 128, Index k_block = 128, Isa isa = best_isa())
       : mask_mod_(std::move(mask_mod)),
         batch_(batch),
         heads_(heads),
@@ -61,7 +64,7 @@ class BlockMask {
           const Index i0 = qb * q_block, i1 = std::min(i0 + q_block, q_length);
           for (Index kb = 0; kb < k_blocks_; ++kb) {
             const Index j0 = kb * k_block, j1 = std::min(j0 + k_block, k_length);
-            (*classes)[n++] = mask_mod_.classify(b, h, i0, i1, j0, j1);
+            (*classes)[n++] = mask_mod_.classify(b, h, i0, i1, j0, j1, isa);
           }
         }
       }

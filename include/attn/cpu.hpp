@@ -35,6 +35,14 @@
 #define ATTN_X86_DISPATCH 0
 #endif
 
+/// ATTN_DISPATCH_OBSERVER(isa), if defined before attn's headers, is evaluated with the
+/// instruction set of every lookup of a kernel table or a mod's loop (tests/test_dispatch.cpp
+/// checks with it that a call never runs two sets). Every translation unit of a program must
+/// agree on it.
+#ifndef ATTN_DISPATCH_OBSERVER
+#define ATTN_DISPATCH_OBSERVER(isa) static_cast<void>(isa)
+#endif
+
 namespace attn {
 
 /// An instruction-set level of the kernels.

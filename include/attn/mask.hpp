@@ -37,6 +37,7 @@
 
 #include "attn/block_mask.hpp"
 #include "attn/config.hpp"
+#include "attn/cpu.hpp"
 #include "attn/dropout.hpp"
 #include "attn/mods.hpp"
 #include "attn/score_modifiers.hpp"
@@ -146,9 +147,12 @@ class Mask {
   };
 
   /// Validates every part against (B, H, Lq, Lk); `function` names the caller in errors.
+  /// `isa` is the instruction set of the mods' tile loops: the plan's in a call (generic for
+  /// a mask used outside one; the results do not depend on it).
   Mask(const char* function, Index batch, Index heads, Index q_length, Index k_length,
-       const MaskOptions<T>& options)
-      : batch_(batch),
+       const MaskOptions<T>& options, Isa isa = Isa::generic)
+      : isa_(isa),
+        batch_(batch),
         heads_(heads),
         q_length_(q_length),
         k_length_(k_length),
@@ -371,7 +375,7 @@ class Mask {
     // (attn/mods.hpp); what is hidden below is overwritten, whatever they made of it.
     for (const ScoreMod<T>* mod : {&score_mod_, &softcap_mod_, &alibi_mod_, &bias_mod_}) {
       if (*mod)
-        mod->apply(tile());
+        mod->apply(tile(), isa_);
     }
     if (visibility == TileVisibility::visible)
       return;  // nothing in the tile is hidden
@@ -397,7 +401,7 @@ class Mask {
       }
     }
     if (has_mask_mod())
-      mask_mod_.hide(tile());
+      mask_mod_.hide(tile(), isa_);
   }
 
  private:
@@ -560,6 +564,7 @@ class Mask {
     return b * s[0] + h * s[1] + i * s[2] + j * s[3];
   }
 
+  Isa isa_;  // of the mods' tile loops
   Index batch_, heads_, q_length_, k_length_;
   Causal causal_;
   Window window_;

@@ -11,7 +11,8 @@
 // the callable per element through a pointer. A mod keeps pointers to loops over a whole
 // tile of scores (attn/kernels/mod_loops.hpp), instantiated for the callable's own type, in
 // which the callable is inlined, once per instruction set; a kernel makes one indirect call
-// per tile (thousands of scores), and the loop of the CPU's active instruction set runs.
+// per tile (thousands of scores), and the loop of the call's instruction set runs (the
+// one its plan chose, attn/plan.hpp).
 // The loop walks the tile's contiguous direction, so a callable the compiler can vectorise
 // (arithmetic, look-ups along a table) runs on the CPU's widest vectors, whatever flags the
 // translation unit that created the mod was built with.
@@ -52,11 +53,11 @@ class ScoreMod {
     return s;
   }
 
-  /// Replaces every score of the tile by the mod's value (with the loop of the CPU's
-  /// active instruction set).
-  void apply(const ScoreTile<T>& tile) const {
+  /// Replaces every score of the tile by the mod's value, with the loop of `isa` (the
+  /// call's plan's; the values do not depend on it).
+  void apply(const ScoreTile<T>& tile, Isa isa = Isa::generic) const {
     if (callable_ != nullptr && tile.rows > 0 && tile.cols > 0)
-      loops_.active()(callable_.get(), tile);
+      loops_[isa](callable_.get(), tile);
   }
 
  private:
@@ -95,27 +96,29 @@ class MaskMod {
     return classify(b, h, q_idx, q_idx + 1, kv_idx, kv_idx + 1) != TileVisibility::hidden;
   }
 
-  /// Sets the scores of the pairs the mod hides to -inf (T: float, double or long double).
+  /// Sets the scores of the pairs the mod hides to -inf (T: float, double or long double),
+  /// with the loop of `isa`.
   template <class T>
-  void hide(const ScoreTile<T>& tile) const {
+  void hide(const ScoreTile<T>& tile, Isa isa = Isa::generic) const {
     if (callable_ == nullptr || tile.rows <= 0 || tile.cols <= 0)
       return;
     if constexpr (std::is_same_v<T, float>)
-      hide_float_.active()(callable_.get(), tile);
+      hide_float_[isa](callable_.get(), tile);
     else if constexpr (std::is_same_v<T, double>)
-      hide_double_.active()(callable_.get(), tile);
+      hide_double_[isa](callable_.get(), tile);
     else
-      hide_long_double_.active()(callable_.get(), tile);
+      hide_long_double_[isa](callable_.get(), tile);
   }
 
-  /// Evaluates the mod on every pair of [i0, i1) x [j0, j1): hidden, visible or partial.
-  /// An empty tile is hidden.
-  TileVisibility classify(Index b, Index h, Index i0, Index i1, Index j0, Index j1) const {
+  /// Evaluates the mod on every pair of [i0, i1) x [j0, j1) with the loop of `isa`: hidden,
+  /// visible or partial. An empty tile is hidden.
+  TileVisibility classify(Index b, Index h, Index i0, Index i1, Index j0, Index j1,
+                          Isa isa = Isa::generic) const {
     if (callable_ == nullptr)
       return TileVisibility::visible;
     if (i0 >= i1 || j0 >= j1)
       return TileVisibility::hidden;
-    const Index visible = count_.active()(callable_.get(), b, h, i0, i1, j0, j1);
+    const Index visible = count_[isa](callable_.get(), b, h, i0, i1, j0, j1);
     if (visible == 0)
       return TileVisibility::hidden;
     return visible == (i1 - i0) * (j1 - j0) ? TileVisibility::visible

@@ -482,8 +482,9 @@ class MultiHeadAttention {
           blhd_view(merged.data(), batch, length, heads, d), attention);
     } else {  // 16-bit T: the queries widened (exactly), the output rounded to T once
       Matrix<C> q_wide(batch * length, e), merged_wide(batch * length, e);
+      const Isa isa = plan_isa<C>();
       for (Index r = 0; r < batch * length; ++r)
-        detail::widen(qkv.row(r).data(), q_wide.row(r).data(), e);
+        detail::widen(isa, qkv.row(r).data(), q_wide.row(r).data(), e);
       if (has_rotary())  // rotated in float, not rounded to T again
         rotary_.apply(strided(q_wide.data(), batch, length, heads, d, length, e), positions);
       cache.attend_into(

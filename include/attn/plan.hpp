@@ -35,15 +35,18 @@ struct AttentionShape {
 /// How one attention call runs.
 struct KernelPlan {
   Algorithm algorithm = Algorithm::naive;  ///< never automatic
-  Isa isa = Isa::generic;                  ///< instruction set of the products
-  const char* scalar = "float";            ///< the compute scalar
-  Index query_tile = 0;                    ///< chunked, flash: query rows per work item
-  Index key_tile = 0;                      ///< flash: keys per tile
-  Index split_keys = 0;                    ///< decode: keys per work item (merged by log-sum-exp)
-  Index key_block = 0;                     ///< decode: keys per block inside a split
-  Index work_items = 0;                    ///< independent items handed to the threads
-  bool parallel = false;  ///< whether the call opens a parallel region (big enough to pay)
-  int threads = 1;        ///< threads the call may use
+  /// The instruction set of everything the call dispatches: flash's and decode's products,
+  /// the widening of 16-bit data, the mods' tile loops (naive and chunked run Eigen's
+  /// products whatever it is).
+  Isa isa = Isa::generic;
+  const char* scalar = "float";  ///< the compute scalar
+  Index query_tile = 0;          ///< chunked, flash: query rows per work item
+  Index key_tile = 0;            ///< flash: keys per tile
+  Index split_keys = 0;          ///< decode: keys per work item (merged by log-sum-exp)
+  Index key_block = 0;           ///< decode: keys per block inside a split
+  Index work_items = 0;          ///< independent items handed to the threads
+  bool parallel = false;         ///< whether the call opens a parallel region (big enough to pay)
+  int threads = 1;               ///< threads the call may use
 
   std::string describe() const {
     std::string s =
@@ -164,22 +167,53 @@ constexpr const char* scalar_name() {
     return "long double";
 }
 
+/// The instruction set of a call computing in T: active_isa() (attn/cpu.hpp) for float, generic
+/// for every other scalar. Read once per call, by its plan: the only reader of active_isa(),
+/// so one call never runs two instruction sets, whatever set_isa() does meanwhile.
+template <class T>
+Isa plan_isa() {
+  if constexpr (std::is_same_v<T, float>)
+    return active_isa();
+  else
+    return Isa::generic;
+}
+
+namespace detail {
+/// plan.parallel and plan.threads for a call of `flops` FLOPs over plan.work_items items.
+inline void plan_threads(KernelPlan& plan, double flops) {
+  plan.parallel = runs_parallel(plan.work_items, flops);
+  plan.threads =
+      plan.parallel ? static_cast<int>(std::min<Index>(max_threads(), plan.work_items)) : 1;
+}
+
+/// 2 Lq Lk (D + Dv) per query head: the FLOPs of attention's two products.
+inline double attention_flops(const AttentionShape& shape) {
+  return 2.0 * static_cast<double>(shape.q_length) * static_cast<double>(shape.k_length) *
+         static_cast<double>(shape.dim + shape.value_dim) *
+         static_cast<double>(shape.batch * shape.q_heads);
+}
+
+[[noreturn]] inline void throw_negative_tiles(const char* function, Index query_tile,
+                                              Index key_tile) {
+  throw_invalid_argument(function, "query_tile is " + std::to_string(query_tile) +
+                                       " and key_tile is " + std::to_string(key_tile) +
+                                       ": tile sizes must be >= 0 (0 = default)");
+}
+}  // namespace detail
+
 /// The plan for `shape` with compute scalar T. Throws std::invalid_argument (naming
 /// `function`) for negative tiles and for weights requested from a kernel that cannot return
-/// them. The instruction set is active_isa() (attn/cpu.hpp) for float and generic otherwise;
-/// naive and chunked always use Eigen's products (generic).
+/// them. The instruction set is plan_isa<T>().
 template <class T>
 KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Index query_tile,
                           Index key_tile, bool wants_weights, bool dropout = false,
                           const char* function = "plan_attention") {
-  if (query_tile < 0 || key_tile < 0) {
-    detail::throw_invalid_argument(function, "query_tile is " + std::to_string(query_tile) +
-                                                 " and key_tile is " + std::to_string(key_tile) +
-                                                 ": tile sizes must be >= 0 (0 = default)");
-  }
+  if (query_tile < 0 || key_tile < 0)
+    detail::throw_negative_tiles(function, query_tile, key_tile);
   KernelPlan plan;
   plan.scalar = scalar_name<T>();
-  const Isa isa = std::is_same_v<T, float> ? active_isa() : Isa::generic;
+  const Isa isa = plan_isa<T>();
+  plan.isa = isa;
   const Index q_length = shape.q_length, k_length = shape.k_length;
   if (requested == Algorithm::automatic) {
     const Index kv_bytes = shape.kv_element_bytes > 0 ? shape.kv_element_bytes : Index(sizeof(T));
@@ -208,10 +242,6 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
     }
     plan.algorithm = requested;
   }
-  const bool vector_products =
-      plan.algorithm == Algorithm::flash || plan.algorithm == Algorithm::decode;
-  plan.isa = vector_products ? isa : Isa::generic;
-
   const Index heads = shape.batch * shape.q_heads;
   const auto tiles_of = [](Index n, Index tile) {
     return n == 0 ? Index(0) : (n + tile - 1) / tile;
@@ -236,12 +266,7 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
       plan.work_items = heads;
       break;
   }
-  const double flops = 2.0 * static_cast<double>(q_length) * static_cast<double>(k_length) *
-                       static_cast<double>(shape.dim + shape.value_dim) *
-                       static_cast<double>(heads);
-  plan.parallel = detail::runs_parallel(plan.work_items, flops);
-  plan.threads =
-      plan.parallel ? static_cast<int>(std::min<Index>(detail::max_threads(), plan.work_items)) : 1;
+  detail::plan_threads(plan, detail::attention_flops(shape));
   return plan;
 }
 
@@ -269,6 +294,52 @@ KernelPlan plan_attention(const AttentionShape& shape, const AttentionOptions<T>
   const auto [query_tile, key_tile] = requested_tiles(options);
   return plan_attention<T>(shape, options.algorithm, query_tile, key_tile, wants_weights,
                            options.dropout_p > T(0), function);
+}
+
+/// Flash backward tiles (query rows, keys), measured with bench_backward (docs/training.md).
+inline constexpr Index default_backward_query_tile = 64;
+inline constexpr Index default_backward_key_tile = 128;
+
+/// The plan of a backward call (attn/attention_backward.hpp): naive for Algorithm::naive, the
+/// flash backward for every other value; the instruction set, tiles and (b, kv head) work
+/// items. Throws std::invalid_argument (naming `function`) for negative tiles.
+template <class T>
+KernelPlan plan_backward(const AttentionShape& shape, const AttentionOptions<T>& options,
+                         const char* function = "plan_backward") {
+  if (options.query_tile < 0 || options.key_tile < 0)
+    detail::throw_negative_tiles(function, options.query_tile, options.key_tile);
+  KernelPlan plan;
+  plan.scalar = scalar_name<T>();
+  plan.algorithm = options.algorithm == Algorithm::naive ? Algorithm::naive : Algorithm::flash;
+  plan.isa = plan_isa<T>();
+  plan.query_tile = options.query_tile > 0 ? options.query_tile : default_backward_query_tile;
+  plan.key_tile = options.key_tile > 0 ? options.key_tile : default_backward_key_tile;
+  plan.work_items = shape.batch * shape.kv_heads;
+  detail::plan_threads(plan, detail::attention_flops(shape));
+  return plan;
+}
+
+/// How a call without tiles runs: the projections' GEMM, the rotation of RoPE.
+struct LoopPlan {
+  Isa isa = Isa::generic;  ///< the instruction set of its kernel
+  bool parallel = false;   ///< whether it opens a parallel region
+};
+
+/// The plan of c (M, N) = a (M, K) b (K, N) computing in T (kernels/gemm.hpp): the threads
+/// for problems of parallel_flops and more.
+template <class T>
+LoopPlan plan_gemm(Index m, Index n, Index k) {
+  const double flops =
+      2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  return {plan_isa<T>(), flops >= parallel_flops};
+}
+
+/// The plan of rotating `rows` rows of `rotary_dim` features with a table in T, in `items`
+/// independent heads (attn/rope.hpp): in parallel from 65536 rotated features (a rotation is
+/// a few FLOPs per feature, so the region pays later than for attention).
+template <class T>
+LoopPlan plan_rope(Index items, Index rows, Index rotary_dim) {
+  return {plan_isa<T>(), items > 1 && items * rows * rotary_dim >= 65536};
 }
 
 }  // namespace attn

@@ -37,7 +37,8 @@
 #include "attn/config.hpp"
 #include "attn/cpu.hpp"
 #include "attn/init.hpp"
-#include "attn/kernels/gemm.hpp"
+#include "attn/kernels/dispatch.hpp"
+#include "attn/plan.hpp"
 #include "attn/precision.hpp"
 #include "attn/tensor.hpp"
 
@@ -67,16 +68,19 @@ void linear_into(const ConstRowsMap<T>& x,  // (N, in)
   ATTN_ASSERT(x.cols() == w.rows() && y.cols() == w.cols() && y.rows() == x.rows());
   using C = compute_scalar_t<T>;
   if constexpr (std::is_same_v<T, C>) {
-    gemm(active_isa(), x.rows(), w.cols(), x.cols(), x.data(), x.outerStride(), w.data(),
-         w.outerStride(), y.data(), y.outerStride(), bias);
+    const LoopPlan plan = plan_gemm<C>(x.rows(), w.cols(), x.cols());
+    gemm(plan.isa, x.rows(), w.cols(), x.cols(), x.data(), x.outerStride(), w.data(),
+         w.outerStride(), y.data(), y.outerStride(), bias, false, plan.parallel);
   } else {
     const Matrix<C> x_wide = x.template cast<C>(), w_wide = w.template cast<C>();
     Vector<C> bias_wide;
     if (bias != nullptr)
       bias_wide = Eigen::Map<const Vector<T>>(bias, w.cols()).template cast<C>();
     Matrix<C> y_wide(x.rows(), w.cols());
-    gemm(active_isa(), x.rows(), w.cols(), x.cols(), x_wide.data(), x.cols(), w_wide.data(),
-         w.cols(), y_wide.data(), w.cols(), bias != nullptr ? bias_wide.data() : nullptr);
+    const LoopPlan plan = plan_gemm<C>(x.rows(), w.cols(), x.cols());
+    gemm(plan.isa, x.rows(), w.cols(), x.cols(), x_wide.data(), x.cols(), w_wide.data(), w.cols(),
+         y_wide.data(), w.cols(), bias != nullptr ? bias_wide.data() : nullptr, false,
+         plan.parallel);
     y = y_wide.template cast<T>();
   }
 }
@@ -103,9 +107,10 @@ void linear_backward_into(const ConstRowsMap<T>& x,   // (N, in)
       const Matrix<T> dy_t = dy.transpose();  // (out, N)
       if (weight_grad != nullptr) {
         ATTN_ASSERT(weight_grad->rows() == out && weight_grad->cols() == in);
-        gemm(active_isa(), out, in, n, dy_t.data(), n, x.data(), x.outerStride(),
-             weight_grad->data(), weight_grad->outerStride(), static_cast<const T*>(nullptr),
-             accumulate_parameters);
+        const LoopPlan plan = plan_gemm<T>(out, in, n);
+        gemm(plan.isa, out, in, n, dy_t.data(), n, x.data(), x.outerStride(), weight_grad->data(),
+             weight_grad->outerStride(), static_cast<const T*>(nullptr), accumulate_parameters,
+             plan.parallel);
       }
       if (bias_grad != nullptr) {
         Eigen::Map<Vector<T>> b(bias_grad, out);
@@ -118,8 +123,9 @@ void linear_backward_into(const ConstRowsMap<T>& x,   // (N, in)
     if (dx != nullptr) {
       ATTN_ASSERT(dx->rows() == n && dx->cols() == in);
       const Matrix<T> w_t = w.transpose();  // (out, in): torch's layout
-      gemm(active_isa(), n, in, out, dy.data(), dy.outerStride(), w_t.data(), in, dx->data(),
-           dx->outerStride(), static_cast<const T*>(nullptr), accumulate_dx);
+      const LoopPlan plan = plan_gemm<T>(n, in, out);
+      gemm(plan.isa, n, in, out, dy.data(), dy.outerStride(), w_t.data(), in, dx->data(),
+           dx->outerStride(), static_cast<const T*>(nullptr), accumulate_dx, plan.parallel);
     }
   } else {
     const Matrix<C> x_wide = x.template cast<C>(), w_wide = w.template cast<C>(),

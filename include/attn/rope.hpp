@@ -44,8 +44,9 @@
 
 #include "attn/config.hpp"
 #include "attn/cpu.hpp"
+#include "attn/kernels/dispatch.hpp"
 #include "attn/kernels/item_loop.hpp"
-#include "attn/kernels/rope.hpp"
+#include "attn/plan.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn {
@@ -331,16 +332,16 @@ class RotaryEmbedding {
     const Index items = x.batch * x.heads;
     if (items == 0 || x.length == 0)
       return;
-    const Isa isa = active_isa();
-    const bool parallel = items > 1 && items * x.length * config_.rotary_dim >= 65536;
+    const LoopPlan plan = plan_rope<T>(items, x.length, config_.rotary_dim);
     detail::for_each_item(
-        items, parallel, [&] { return std::vector<Index>(static_cast<std::size_t>(x.length)); },
+        items, plan.parallel,
+        [&] { return std::vector<Index>(static_cast<std::size_t>(x.length)); },
         [&](Index item, std::vector<Index>& positions) {
           const Index b = item / x.heads, h = item % x.heads;
           HeadMatrix<S> head = x.head(b, h);  // (rows(b), D)
           for (Index t = 0; t < head.rows(); ++t)
             positions[static_cast<std::size_t>(t)] = position(b, t);
-          detail::rope_rows(isa, head.data(), head.rows(), head.outerStride(), table_.data(),
+          detail::rope_rows(plan.isa, head.data(), head.rows(), head.outerStride(), table_.data(),
                             config_.rotary_dim, positions.data(),
                             config_.pairing == RopePairing::interleaved);
         });

@@ -18,6 +18,7 @@
 
 #include "attn/config.hpp"
 #include "attn/kernels/item_loop.hpp"
+#include "attn/kernels/widening.hpp"
 #include "attn/mask.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
@@ -99,8 +100,9 @@ void run_chunked(const KernelPlan& plan,
         if (rows <= 0)  // past the end of a shorter sequence of a packed batch
           return;
         T* lse = logsumexp.head(b, h);
-        chunked_attention_block<T>(rows_as<T, TQ>(q.head(b, h), i0, rows, s.q_rows),
-                                   s.k_head(k, b, h / group), s.v_head(v, b, h / group),
+        chunked_attention_block<T>(rows_as<T, TQ>(plan.isa, q.head(b, h), i0, rows, s.q_rows),
+                                   s.k_head(plan.isa, k, b, h / group),
+                                   s.v_head(plan.isa, v, b, h / group),
                                    s.out_rows.rows(out.head(b, h), i0, rows), mask, b, h, scale, i0,
                                    s.block, lse != nullptr ? lse + i0 : nullptr);
         s.out_rows.store(out.head(b, h), i0, rows);

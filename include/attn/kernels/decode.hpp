@@ -44,8 +44,8 @@
 #include <vector>
 
 #include "attn/config.hpp"
+#include "attn/kernels/dispatch.hpp"
 #include "attn/kernels/item_loop.hpp"
-#include "attn/kernels/online_softmax.hpp"
 #include "attn/kernels/workspace.hpp"
 #include "attn/mask.hpp"
 #include "attn/plan.hpp"
@@ -80,31 +80,27 @@ void decode_attention(const KernelPlan& plan,
   // different strides).
   const Index key_block = plan.key_block;
   std::vector<T> partials(static_cast<std::size_t>(work_items * partial_size));
-  with_kernels<T>(plan.isa, [&](auto kernels) {
-    using K = decltype(kernels);
-    const auto make_workspace = [&] {
-      Workspace<T> workspace;
-      workspace.reserve_decode(rows, key_block, q.dim, v.dim,
-                               !std::is_same_v<S, T> && !K::widens_kv_in_registers);
-      return workspace;
-    };
-    for_each_item(work_items, plan.parallel, make_workspace,
-                  [&](Index item, Workspace<T>& workspace) {
-                    const Index pair = item / splits, split = item % splits;  // b * Hkv + kv head
-                    const Index j0 = split * plan.split_keys;
-                    const Index j1 = std::min(j0 + plan.split_keys, k.length);
-                    K::template decode_split<T, S>(q, k, v, mask, scale, pair / kv_heads,
-                                                   pair % kv_heads, j0, j1, key_block, workspace,
-                                                   partials.data() + item * partial_size);
-                  });
-    for_each_item(
-        groups, plan.parallel, [] { return 0; },
-        [&](Index pair, int) {
-          K::template merge_splits<T>(partials.data() + pair * splits * partial_size, splits,
-                                      partial_size, pair / kv_heads, pair % kv_heads, group, out,
-                                      mask, logsumexp);
-        });
-  });
+  const ForwardKernels<T, S>& kernels = forward_kernels<T, S>(plan.isa);
+  const auto make_workspace = [&] {
+    Workspace<T> workspace;
+    workspace.reserve_decode(rows, key_block, q.dim, v.dim,
+                             !std::is_same_v<S, T> && !kernels.widens_kv_in_registers);
+    return workspace;
+  };
+  for_each_item(
+      work_items, plan.parallel, make_workspace, [&](Index item, Workspace<T>& workspace) {
+        const Index pair = item / splits, split = item % splits;  // b * Hkv + kv head
+        const Index j0 = split * plan.split_keys;
+        const Index j1 = std::min(j0 + plan.split_keys, k.length);
+        kernels.decode_split(q, k, v, mask, scale, pair / kv_heads, pair % kv_heads, j0, j1,
+                             key_block, workspace, partials.data() + item * partial_size);
+      });
+  for_each_item(
+      groups, plan.parallel, [] { return 0; },
+      [&](Index pair, int) {
+        kernels.merge_splits(partials.data() + pair * splits * partial_size, splits, partial_size,
+                             pair / kv_heads, pair % kv_heads, group, out, mask, logsumexp);
+      });
 }
 
 /// decode_attention for storage scalars TQ, TKV, TO: 16-bit q and out are widened and
@@ -140,7 +136,7 @@ void run_decode(const KernelPlan& plan,
     for (Index b = 0; b < batch; ++b) {
       for (Index h = 0; h < q_heads; ++h) {
         for (Index i = 0; i < q.rows(b); ++i)
-          widen(q.head(b, h).row(i).data(), wide.head(b, h).row(i).data(), q.dim);
+          widen(plan.isa, q.head(b, h).row(i).data(), wide.head(b, h).row(i).data(), q.dim);
       }
     }
     q_view = wide;

@@ -5,10 +5,10 @@
 //   v    (B, Hkv, Lk, Dv)  (16-bit k and v are widened tile by tile)
 //   out  (B, Hq, Lq, Dv)
 //
-// The kernel of one work item is Kernels::flash_tile (kernels/online_softmax.inl), compiled
-// for each instruction set; the plan (attn/plan.hpp) says which one runs and with which
-// tiles. The (Lq, Lk) scores never exist. Tiles the mask hides entirely are skipped without
-// any arithmetic (a causal mask does about half the work, a window O(L * window)); tiles it
+// The kernel of one work item is flash_tile (kernels/online_softmax.inl), compiled for each
+// instruction set; the plan (attn/plan.hpp) says which one runs (kernels/dispatch.hpp) and
+// with which tiles. The (Lq, Lk) scores never exist. Tiles the mask hides entirely are skipped
+// without any arithmetic (a causal mask does about half the work, a window O(L * window)); tiles it
 // shows entirely skip mask evaluation (only a bias, if any, is added).
 //
 // Extra memory per thread: W * (D + Bk + Dv + 8) scalars with W = Bq rounded up to whole
@@ -20,8 +20,9 @@
 #include <type_traits>
 
 #include "attn/config.hpp"
+#include "attn/kernels/dispatch.hpp"
 #include "attn/kernels/item_loop.hpp"
-#include "attn/kernels/online_softmax.hpp"
+#include "attn/kernels/widening.hpp"
 #include "attn/kernels/workspace.hpp"
 #include "attn/mask.hpp"
 #include "attn/plan.hpp"
@@ -51,29 +52,26 @@ void run_flash(const KernelPlan& plan,
     Matrix<T> q_rows;  // a widened query tile (16-bit q)
     NarrowedRows<T, TO> out_rows;
   };
-  with_kernels<T>(plan.isa, [&](auto kernels) {
-    using K = decltype(kernels);
-    const auto make_scratch = [&] {
-      Scratch scratch;
-      scratch.workspace.reserve_flash(K::padded_width(std::min(query_tile, q_length)), key_tile,
-                                      q.dim, v.dim, !std::is_same_v<TKV, T>);
-      return scratch;
-    };
-    for_each_item(plan.work_items, plan.parallel, make_scratch, [&](Index item, Scratch& s) {
-      const Index head_item = item / q_tiles;  // b * Hq + h
-      const Index b = head_item / q_heads, h = head_item % q_heads;
-      const Index i0 = (q_tiles - 1 - item % q_tiles) * query_tile;
-      const Index rows = std::min(i0 + query_tile, q.rows(b)) - i0;
-      if (rows <= 0)  // past the end of a shorter sequence of a packed batch
-        return;
-      const HeadMatrix<const T> q_rows = rows_as<T, TQ>(q.head(b, h), i0, rows, s.q_rows);
-      T* lse = logsumexp.head(b, h);
-      K::template flash_tile<T, TKV>(q_rows, k.head(b, h / group), v.head(b, h / group),
-                                     s.out_rows.rows(out.head(b, h), i0, rows), mask, b, h, scale,
-                                     i0, key_tile, s.workspace,
-                                     lse != nullptr ? lse + i0 : nullptr);
-      s.out_rows.store(out.head(b, h), i0, rows);
-    });
+  const ForwardKernels<T, TKV>& kernels = forward_kernels<T, TKV>(plan.isa);
+  const auto make_scratch = [&] {
+    Scratch scratch;
+    scratch.workspace.reserve_flash(kernels.padded(std::min(query_tile, q_length)), key_tile, q.dim,
+                                    v.dim, !std::is_same_v<TKV, T>);
+    return scratch;
+  };
+  for_each_item(plan.work_items, plan.parallel, make_scratch, [&](Index item, Scratch& s) {
+    const Index head_item = item / q_tiles;  // b * Hq + h
+    const Index b = head_item / q_heads, h = head_item % q_heads;
+    const Index i0 = (q_tiles - 1 - item % q_tiles) * query_tile;
+    const Index rows = std::min(i0 + query_tile, q.rows(b)) - i0;
+    if (rows <= 0)  // past the end of a shorter sequence of a packed batch
+      return;
+    const HeadMatrix<const T> q_rows = rows_as<T, TQ>(plan.isa, q.head(b, h), i0, rows, s.q_rows);
+    T* lse = logsumexp.head(b, h);
+    kernels.flash_tile(q_rows, k.head(b, h / group), v.head(b, h / group),
+                       s.out_rows.rows(out.head(b, h), i0, rows), mask, b, h, scale, i0, key_tile,
+                       s.workspace, lse != nullptr ? lse + i0 : nullptr);
+    s.out_rows.store(out.head(b, h), i0, rows);
   });
 }
 

@@ -25,7 +25,7 @@
 // threads and blocks never change the chain, so results are bitwise identical for any thread
 // count. Threads (OpenMP): each (K-block) the team packs the b block together, then every
 // thread computes its own rows of c (or its own columns, when there are too few rows).
-// Problems under 1 MFLOP, or parallel = false, run on the calling thread.
+// With parallel = false (plan_gemm: problems under 1 MFLOP) it runs on the calling thread.
 //
 // Extra memory: kc * nc_used floats for the packed b block (nc_used = N rounded up to nr, at
 // most 4096: 2.4 MB at K = 768, N = 2304) plus mc * kc floats per thread for the packed a
@@ -48,8 +48,8 @@
 
 #include "attn/config.hpp"
 #include "attn/cpu.hpp"
-#include "attn/kernels/simd/avx2.hpp"
-#include "attn/kernels/simd/avx512.hpp"
+#include "attn/kernels/generic.hpp"
+#include "attn/kernels/simd/tile_products.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn::detail {
@@ -77,15 +77,6 @@ void gemm_generic(Index m, Index n, Index k, const T* a, Index lda, const T* b, 
   if (bias != nullptr)
     cm.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(bias, n);
 }
-
-/// Cache blocks of the packed GEMM (elements): maxima of the depth (kc), of the rows of a
-/// packed at once (mc, a multiple of mr) and of the columns of b packed at once (nc).
-struct GemmBlocking {
-  Index depth, rows, columns;
-};
-
-/// A problem of fewer FLOPs than this runs on the calling thread.
-inline constexpr double gemm_parallel_flops = 1e6;
 
 /// Blocks of at most `most` covering n as evenly as possible, each a multiple of `multiple`
 /// (except the last): the size of all but the last.
@@ -127,28 +118,25 @@ inline GemmBuffer& gemm_thread_buffer() {
   return buffer;
 }
 
-/// The packed GEMM on the kernels of one instruction set (K = avx2::Gemm or avx512::Gemm).
+/// The packed GEMM on the kernels of one instruction set (K = avx2::Gemm or avx512::Gemm, with
+/// their cache blocks).
 template <class K>
-void gemm_packed(const GemmBlocking& blocking, Index m, Index n, Index k, const float* a, Index lda,
-                 const float* b, Index ldb, float* c, Index ldc, const float* bias, bool accumulate,
-                 bool parallel) {
+void gemm_packed(Index m, Index n, Index k, const float* a, Index lda, const float* b, Index ldb,
+                 float* c, Index ldc, const float* bias, bool accumulate, bool parallel) {
   constexpr Index mr = K::rows, nr = K::columns;
-  const Index kc = gemm_even_block(k, blocking.depth, 8);
-  const Index nc = gemm_even_block(n, blocking.columns, nr);
-  const Index mc = blocking.rows;
+  const Index kc = gemm_even_block(k, K::block_depth, 8);
+  const Index nc = gemm_even_block(n, K::block_columns, nr);
+  const Index mc = K::block_rows;
   const Index b_floats = kc * ((std::min(nc, n) + nr - 1) / nr * nr);
   const Index a_floats = (mc * kc + 15) / 16 * 16;
-  const bool run_parallel =
-      parallel && 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) >=
-                      gemm_parallel_flops;
-  const int max_team = run_parallel ? max_threads() : 1;
+  const int max_team = parallel ? max_threads() : 1;
   // Reserved here, not in the parallel region, so that std::bad_alloc reaches the caller.
   float* const bp =
       gemm_thread_buffer().reserve(static_cast<std::size_t>(b_floats + a_floats * max_team));
   const Index row_panels = (m + mr - 1) / mr;
 
 #if ATTN_HAS_OPENMP
-#pragma omp parallel if (run_parallel) num_threads(max_team)
+#pragma omp parallel if (parallel) num_threads(max_team)
 #endif
   {
 #if ATTN_HAS_OPENMP
@@ -192,55 +180,39 @@ void gemm_packed(const GemmBlocking& blocking, Index m, Index n, Index k, const 
   }
 }
 
-inline constexpr GemmBlocking gemm_blocking_avx512{256, 112, 4096};
-inline constexpr GemmBlocking gemm_blocking_avx2{256, 144, 4096};
-
-/// c (M, N) = a (M, K) * b (K, N) [+ c if accumulate] [+ bias (N) on every row], row-major,
-/// strides in elements, on the kernels of `isa` (which the CPU must support: active_isa()).
-/// c must not overlap a, b or bias. With `parallel`, problems of 1 MFLOP and more use the
-/// OpenMP threads (the same bits for any thread count).
-inline void gemm(Isa isa, Index m, Index n, Index k, const float* a, Index lda, const float* b,
-                 Index ldb, float* c, Index ldc, const float* bias = nullptr,
-                 bool accumulate = false, bool parallel = true) {
+/// The GEMM entry of an instruction set's table (kernels/dispatch.hpp): c (M, N) = a (M, K)
+/// * b (K, N) [+ c if accumulate] [+ bias (N) on every row], row-major, strides in elements;
+/// the packed kernels of K (avx2::Gemm, avx512::Gemm), or Eigen's product for generic::Gemm.
+/// c must not overlap a, b or bias. With `parallel` (plan_gemm's choice, attn/plan.hpp) the
+/// OpenMP threads share it (the same bits for any thread count). T is float: a parameter only so
+/// that the tables name a specialization they instantiate when asked for it.
+template <class K, class T>
+void gemm_of(Index m, Index n, Index k, const T* a, Index lda, const T* b, Index ldb, T* c,
+             Index ldc, const T* bias, bool accumulate, bool parallel) {
+  static_assert(std::is_same_v<T, float>, "gemm_of: float only");
   ATTN_ASSERT(m >= 0 && n >= 0 && k >= 0);
   ATTN_ASSERT(m <= 1 || lda >= k);
   ATTN_ASSERT(k <= 1 || ldb >= n);
   ATTN_ASSERT(m <= 1 || ldc >= n);
   if (m == 0 || n == 0)
     return;
-  if (k == 0) {  // the chain without a step
-    for (Index i = 0; i < m; ++i) {
-      for (Index j = 0; j < n; ++j) {
-        float x = accumulate ? c[i * ldc + j] : 0.0f;
-        if (bias != nullptr)
-          x += bias[j];
-        c[i * ldc + j] = x;
+  if constexpr (K::packed) {
+    if (k == 0) {  // the chain without a step
+      for (Index i = 0; i < m; ++i) {
+        for (Index j = 0; j < n; ++j) {
+          float x = accumulate ? c[i * ldc + j] : 0.0f;
+          if (bias != nullptr)
+            x += bias[j];
+          c[i * ldc + j] = x;
+        }
       }
+      return;
     }
-    return;
+    gemm_packed<K>(m, n, k, a, lda, b, ldb, c, ldc, bias, accumulate, parallel);
+  } else {
+    (void)parallel;
+    gemm_generic(m, n, k, a, lda, b, ldb, c, ldc, bias, accumulate);
   }
-#if ATTN_X86_DISPATCH
-  if (isa == Isa::avx512) {
-    return gemm_packed<avx512::Gemm>(gemm_blocking_avx512, m, n, k, a, lda, b, ldb, c, ldc, bias,
-                                     accumulate, parallel);
-  }
-  if (isa == Isa::avx2) {
-    return gemm_packed<avx2::Gemm>(gemm_blocking_avx2, m, n, k, a, lda, b, ldb, c, ldc, bias,
-                                   accumulate, parallel);
-  }
-#endif
-  (void)isa;
-  (void)parallel;
-  gemm_generic(m, n, k, a, lda, b, ldb, c, ldc, bias, accumulate);
-}
-
-/// The same for any other scalar (double, long double): Eigen's product, whatever `isa`.
-template <class T>
-void gemm(Isa isa, Index m, Index n, Index k, const T* a, Index lda, const T* b, Index ldb, T* c,
-          Index ldc, const T* bias = nullptr, bool accumulate = false, bool parallel = true) {
-  (void)isa;
-  (void)parallel;
-  gemm_generic(m, n, k, a, lda, b, ldb, c, ldc, bias, accumulate);
 }
 
 }  // namespace attn::detail

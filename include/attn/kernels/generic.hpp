@@ -26,8 +26,15 @@
 namespace attn::detail::generic {
 
 inline constexpr Isa isa = Isa::generic;
+/// No vectors of its own: tiles are not padded.
+inline constexpr Index lanes = 1;
 /// The decode products read T only: 16-bit blocks are widened before them.
 inline constexpr bool widens_in_registers = false;
+
+/// The GEMM of this instruction set is Eigen's product (kernels/gemm.hpp: gemm_of).
+struct Gemm {
+  static constexpr bool packed = false;
+};
 
 template <class T>
 using RowsMap = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;

@@ -1,13 +1,15 @@
 // attn/kernels/mod_loops.hpp: the tile loops of user mods (attn/mods.hpp), compiled for each
-// instruction set (generic, avx2, avx512), whatever flags the translation unit has, so that
-// a mod created in a plain -O2 unit still runs vectorised on the CPU's widest vectors.
+// instruction set (generic, avx2, avx512; simd/foreach_isa.hpp), whatever flags the
+// translation unit has, so that a mod created in a plain -O2 unit still runs vectorised on the
+// CPU's widest vectors. They are instantiated for each user's callable where the mod is made,
+// so they are not in the kernels' tables (kernels/dispatch.hpp); a mod keeps one pointer per
+// instruction set and a call takes the one of its plan.
 #pragma once
 
 #include <limits>
 
 #include "attn/config.hpp"
 #include "attn/cpu.hpp"
-#include "attn/kernels/simd/target.hpp"
 
 // GCC's -O2 vectorises only loops its very cheap cost model accepts; a mod's loop needs
 // the dynamic one. Clang's -O2 vectorises these loops already.
@@ -31,31 +33,20 @@ struct ScoreTile {
 
 }  // namespace attn
 
-namespace attn::detail::generic {
-#include "attn/kernels/mod_loops.inl"
-}  // namespace attn::detail::generic
-
-#if ATTN_X86_DISPATCH
-ATTN_BEGIN_TARGET_AVX2
-namespace attn::detail::avx2 {
-#include "attn/kernels/mod_loops.inl"  // NOLINT(readability-duplicate-include): per ISA
-}  // namespace attn::detail::avx2
-ATTN_END_TARGET
-
-ATTN_BEGIN_TARGET_AVX512
-namespace attn::detail::avx512 {
-#include "attn/kernels/mod_loops.inl"  // NOLINT(readability-duplicate-include): per ISA
-}  // namespace attn::detail::avx512
-ATTN_END_TARGET
-#endif
+#define ATTN_ISA_SOURCE "attn/kernels/mod_loops.inl"
+#include "attn/kernels/simd/foreach_isa.hpp"
 
 namespace attn::detail {
 
-/// One function of a mod per instruction set, indexed by Isa; the CPU's active one runs.
+/// One function of a mod per instruction set, indexed by Isa: a call runs the one of its
+/// plan's instruction set.
 template <class Function>
 struct PerIsa {
   Function function[3] = {nullptr, nullptr, nullptr};
-  Function active() const { return function[static_cast<int>(active_isa())]; }
+  Function operator[](Isa isa) const {
+    ATTN_DISPATCH_OBSERVER(isa);
+    return function[static_cast<int>(isa)];
+  }
 };
 
 template <class T>

@@ -13,6 +13,7 @@
 
 #include "attn/config.hpp"
 #include "attn/kernels/item_loop.hpp"
+#include "attn/kernels/widening.hpp"
 #include "attn/mask.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
@@ -85,11 +86,11 @@ void run_naive(const KernelPlan& plan,
       [&](Index item, Scratch& s) {
         const Index b = item / q_heads, h = item % q_heads;
         const Index rows = q.rows(b);
-        naive_attention_head<T>(s.q_head(q, b, h), s.k_head(k, b, h / group),
-                                s.v_head(v, b, h / group), s.out_rows.rows(out.head(b, h), 0, rows),
-                                mask, b, h, scale, s.scores,
-                                weights != nullptr ? weights + item * q_length * k_length : nullptr,
-                                logsumexp.head(b, h));
+        naive_attention_head<T>(
+            s.q_head(plan.isa, q, b, h), s.k_head(plan.isa, k, b, h / group),
+            s.v_head(plan.isa, v, b, h / group), s.out_rows.rows(out.head(b, h), 0, rows), mask, b,
+            h, scale, s.scores, weights != nullptr ? weights + item * q_length * k_length : nullptr,
+            logsumexp.head(b, h));
         s.out_rows.store(out.head(b, h), 0, rows);
       });
 }

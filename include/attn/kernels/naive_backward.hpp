@@ -32,6 +32,7 @@
 #include "attn/config.hpp"
 #include "attn/kernels/backward_views.hpp"
 #include "attn/kernels/item_loop.hpp"
+#include "attn/kernels/widening.hpp"
 #include "attn/mask.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
@@ -116,15 +117,15 @@ void run_naive_backward(const KernelPlan& plan, const BackwardViews<S>& x,
       plan.work_items, plan.parallel, [] { return Scratch(); },
       [&](Index i, Scratch& s) {
         const auto [b, kv_head] = x.item(i);
-        const HeadMatrix<const T> k_head = s.k_head(x.k, b, kv_head);
-        const HeadMatrix<const T> v_head = s.v_head(x.v, b, kv_head);
+        const HeadMatrix<const T> k_head = s.k_head(plan.isa, x.k, b, kv_head);
+        const HeadMatrix<const T> v_head = s.v_head(plan.isa, x.v, b, kv_head);
         s.dk_head.setZero(x.k.rows(b), x.k.dim);
         s.dv_head.setZero(x.v.rows(b), x.v.dim);
         for (Index g = 0; g < group; ++g) {
           const Index h = kv_head * group + g;
-          const HeadMatrix<const T> q_head = s.q_head(x.q, b, h);
-          const HeadMatrix<const T> dout_head = s.dout_head(x.dout, b, h);
-          score_gradients<T>(q_head, k_head, v_head, s.out_head(x.out, b, h), dout_head,
+          const HeadMatrix<const T> q_head = s.q_head(plan.isa, x.q, b, h);
+          const HeadMatrix<const T> dout_head = s.dout_head(plan.isa, x.dout, b, h);
+          score_gradients<T>(q_head, k_head, v_head, s.out_head(plan.isa, x.out, b, h), dout_head,
                              x.lse_of(b, h), mask, softcap.has_value(), b, h, 0, scale,
                              s.gradients);
           scale_score_gradients(softcap, s.gradients);
@@ -141,14 +142,14 @@ void run_naive_backward(const KernelPlan& plan, const BackwardViews<S>& x,
 
 /// The gradient of the bias (options.bias, of dims `bias_dims`, each 1 or the full size),
 /// written into `dbias` (contiguous, those dims): the score gradients ds summed over the
-/// dimensions the bias broadcasts along. `query_tile` rows at a time.
+/// dimensions the bias broadcasts along, plan.query_tile rows at a time.
 template <class S>
-void run_bias_gradient(bool parallel, Index query_tile, const BackwardViews<S>& x,
+void run_bias_gradient(const KernelPlan& plan, const BackwardViews<S>& x,
                        const Mask<compute_scalar_t<S>>& mask, compute_scalar_t<S> scale,
                        const std::array<Index, 4>& bias_dims,
                        compute_scalar_t<S>* dbias) {  // bias_dims
   using T = compute_scalar_t<S>;
-  const Index group = x.group(), q_length = x.q.length;
+  const Index group = x.group(), q_length = x.q.length, query_tile = plan.query_tile;
   const bool per_batch = bias_dims[0] != 1, per_head = bias_dims[1] != 1;
   const bool per_query = bias_dims[2] != 1, per_key = bias_dims[3] != 1;
   const Index tiles = per_query ? std::max<Index>(1, (q_length + query_tile - 1) / query_tile) : 1;
@@ -160,7 +161,7 @@ void run_bias_gradient(bool parallel, Index query_tile, const BackwardViews<S>& 
     WidenedHead<T, S> k_head, v_head;
   };
   for_each_item(
-      items, parallel, [] { return Scratch(); },
+      items, plan.parallel, [] { return Scratch(); },
       [&](Index item, Scratch& s) {
         const Index tile = item % tiles, bias_head = item / tiles;
         const Index bb = bias_head / bias_dims[1], hh = bias_head % bias_dims[1];
@@ -173,13 +174,14 @@ void run_bias_gradient(bool parallel, Index query_tile, const BackwardViews<S>& 
           std::fill(target, target + slice, T(0));
         for (Index b = per_batch ? bb : 0; b < (per_batch ? bb + 1 : x.q.batch); ++b) {
           for (Index h = per_head ? hh : 0; h < (per_head ? hh + 1 : x.q.heads); ++h) {
-            const HeadMatrix<const T> k_head = s.k_head(x.k, b, h / group);
-            const HeadMatrix<const T> v_head = s.v_head(x.v, b, h / group);
+            const HeadMatrix<const T> k_head = s.k_head(plan.isa, x.k, b, h / group);
+            const HeadMatrix<const T> v_head = s.v_head(plan.isa, x.v, b, h / group);
             for (Index r0 = i0; r0 < i1; r0 += query_tile) {
               const Index n = std::min(query_tile, i1 - r0);
-              score_gradients<T>(rows_as<T, S>(x.q.head(b, h), r0, n, s.q_rows), k_head, v_head,
-                                 rows_as<T, S>(x.out.head(b, h), r0, n, s.out_rows),
-                                 rows_as<T, S>(x.dout.head(b, h), r0, n, s.dout_rows),
+              score_gradients<T>(rows_as<T, S>(plan.isa, x.q.head(b, h), r0, n, s.q_rows), k_head,
+                                 v_head,
+                                 rows_as<T, S>(plan.isa, x.out.head(b, h), r0, n, s.out_rows),
+                                 rows_as<T, S>(plan.isa, x.dout.head(b, h), r0, n, s.dout_rows),
                                  x.lse_of(b, h) + r0, mask, false, b, h, r0, scale, s.gradients);
               const Index keys = s.gradients.ds.cols();
               for (Index r = 0; r < n; ++r) {

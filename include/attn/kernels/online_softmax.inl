@@ -1,12 +1,14 @@
 // attn/kernels/online_softmax.inl: the online softmax (FlashAttention's forward) and the two
 // kernels built on it, flash and decode, written once and compiled for every instruction set.
 //
-// No include guard and no #include: kernels/online_softmax.hpp includes this file inside
-// namespace attn::detail::generic, attn::detail::avx2 (in its target region) and
-// attn::detail::avx512 (in its region). The tile products it calls are those of that
-// namespace (kernels/generic.hpp, simd/tile_products.inl): pack_queries, scores,
-// column_maxima, hide_outside_intervals, exp_columns, exp_difference, accumulate, widen,
-// dot_scores, row_maxima, exp_rows, weighted_sum, and `padded` and `widens_in_registers`.
+// No include guard and no #include: kernels/online_softmax.hpp includes this file once per
+// instruction set (simd/foreach_isa.hpp), inside attn::detail::generic, ::avx2 and ::avx512.
+// The tile products it calls are those of that namespace (kernels/generic.hpp,
+// simd/tile_products.inl): pack_queries, scores, column_maxima, hide_outside_intervals,
+// exp_columns, exp_difference, accumulate, widen, dot_scores, row_maxima, exp_rows,
+// weighted_sum, and `padded` and `widens_in_registers`. Its entry points, flash_tile,
+// decode_split and merge_splits, are listed in each namespace's table (simd/table.inl) and
+// are not inline, so that attn::compiled can instantiate them once.
 //
 // The online softmax of one query over the key tiles t = 1, 2, ... (m_0 = -inf, l_0 = 0):
 //   m_t = max(m_{t-1}, max_j s_tj)
@@ -17,320 +19,310 @@
 // keys (m = -inf) its shift is 0, so exp(-inf - 0) = 0 and nothing accumulates. Partial
 // results over disjoint key ranges (decode's splits) merge by log-sum-exp.
 
-struct Kernels {
-  static constexpr Isa level = isa;
-  /// Whether the decode products read 16-bit k and v themselves (widening in registers).
-  static constexpr bool widens_kv_in_registers = widens_in_registers;
-
-  /// Flash query tiles are padded to whole vectors.
-  static Index padded_width(Index rows) { return padded(rows); }
-
-  /// Before the exp of a tile, for n queries with this tile's maxima: m = max(m, tile_max);
-  /// shift = the new m (0 where it is still -inf); alpha = exp(old m - new m), the factor
-  /// that rescales l and acc (1 where nothing has been seen yet).
-  template <class T>
-  static void rescale_factors(const T* tile_max, Index n, T* m, T* shift, T* alpha) {
-    constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-    for (Index i = 0; i < n; ++i)
-      shift[i] = tile_max[i] > m[i] ? tile_max[i] : m[i];  // NaN maxima do not enter m
-    exp_difference(m, shift, alpha, n);
-    for (Index i = 0; i < n; ++i) {
-      if (shift[i] == minus_inf) {
-        alpha[i] = T(1);
-        shift[i] = T(0);
-      } else {
-        m[i] = shift[i];
-      }
-    }
-  }
-
-  /// After the exp: l = l * alpha + the tile's sums of probabilities.
-  template <class T>
-  static void add_sums(const T* alpha, const T* sums, Index n, T* l) {
-    for (Index i = 0; i < n; ++i)
-      l[i] = l[i] * alpha[i] + sums[i];
-  }
-
-  /// One query's output from `parts` partial online softmaxes (m_s, l_s, acc_s) and, when
-  /// `sink` is not null, a learned sink (a part with m = sink, l = 1 and acc = 0):
-  ///   M = max_s m_s;  l = sum_s l_s exp(m_s - M);  out = sum_s acc_s exp(m_s - M) / l
-  ///   logsumexp = M + log l
-  /// m_s and l_s are `part_stride` apart; acc_s[e] is at acc[s * acc_part_stride +
-  /// e * acc_stride]. A part that saw nothing (m_s = -inf and l_s = 0) is skipped (its acc
-  /// was never written); a query that saw nothing gets zeros and logsumexp -inf (the sink
-  /// with one). NaN propagates: a NaN score may leave m_s = -inf (vector maxima drop NaN),
-  /// but its probability makes l_s NaN, and then exp(m_s - M) or l_s makes the output NaN.
-  template <class T>
-  static void finish_query(Index parts, const T* m, const T* l, Index part_stride, const T* acc,
-                           Index acc_part_stride, Index acc_stride, Index value_dim, const T* sink,
-                           T* out, T* logsumexp) {  // (Dv), (1) or null
-    constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-    const auto saw_nothing = [&](Index s) {
-      return m[s * part_stride] == minus_inf && l[s * part_stride] == T(0);
-    };
-    T max = minus_inf;
-    for (Index s = 0; s < parts; ++s) {
-      const T m_s = m[s * part_stride];
-      if (!saw_nothing(s) && (m_s > max || std::isnan(m_s)))  // once NaN, max stays NaN
-        max = m_s;
-    }
-    if (sink != nullptr && *sink > max)
-      max = *sink;
-    T sum = 0;
-    bool started = false;
-    for (Index s = 0; s < parts; ++s) {
-      if (saw_nothing(s))
-        continue;
-      const T factor = std::exp(m[s * part_stride] - max);  // exactly 1 for a single part
-      const T* acc_s = acc + s * acc_part_stride;
-      sum += l[s * part_stride] * factor;
-      if (started) {
-        for (Index e = 0; e < value_dim; ++e)
-          out[e] += factor * acc_s[e * acc_stride];
-      } else {
-        for (Index e = 0; e < value_dim; ++e)
-          out[e] = factor * acc_s[e * acc_stride];
-        started = true;
-      }
-    }
-    const T no_key = sink != nullptr ? *sink : minus_inf;
-    // The query sees no key: zeros, logsumexp -inf or the sink. (With a sink, sum can also
-    // underflow to 0 when the sink dominates: then the weights are 0 and out = 0 * acc
-    // below, NaN where acc is, as naive's 0 * v.)
-    if (!started || (sum == T(0) && sink == nullptr)) {
-      std::fill(out, out + value_dim, T(0));
-      if (logsumexp != nullptr)
-        *logsumexp = no_key;
-      return;
-    }
-    if (sink != nullptr)
-      sum += std::exp(*sink - max);
-    const T inverse = T(1) / sum;
-    for (Index e = 0; e < value_dim; ++e)
-      out[e] *= inverse;
-    if (logsumexp != nullptr)
-      *logsumexp = max + std::log(sum);
-  }
-
-  /// Rows [first, first + count) of one head in the compute scalar T: the memory itself when
-  /// S is T, else widened into `buffer` (at least (count, cols)).
-  template <class T, class S>
-  static HeadMatrix<const T> tile_rows(const HeadMatrix<const S>& x, Index first, Index count,
-                                       Scratch<T>& buffer) {
-    if constexpr (std::is_same_v<S, T>) {
-      return middle_rows(x, first, count);
+/// Before the exp of a tile, for n queries with this tile's maxima: m = max(m, tile_max);
+/// shift = the new m (0 where it is still -inf); alpha = exp(old m - new m), the factor
+/// that rescales l and acc (1 where nothing has been seen yet).
+template <class T>
+inline void rescale_factors(const T* tile_max, Index n, T* m, T* shift, T* alpha) {
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  for (Index i = 0; i < n; ++i)
+    shift[i] = tile_max[i] > m[i] ? tile_max[i] : m[i];  // NaN maxima do not enter m
+  exp_difference(m, shift, alpha, n);
+  for (Index i = 0; i < n; ++i) {
+    if (shift[i] == minus_inf) {
+      alpha[i] = T(1);
+      shift[i] = T(0);
     } else {
-      for (Index r = 0; r < count; ++r)
-        widen(x.row(first + r).data(), buffer.data() + r * x.cols(), x.cols());
-      return HeadMatrix<const T>(buffer.data(), count, x.cols(), Eigen::OuterStride<>(x.cols()));
+      m[i] = shift[i];
     }
   }
+}
 
-  /// Flash attention for queries [i0, i0 + rows) of one (batch b, query head h) pair, whose
-  /// rows of q and out are given; k and v are the whole head, stored as S (T, or 16-bit
-  /// widened tile by tile). `workspace` is reserved for at least padded(rows) queries and
-  /// key_tile keys.
-  ///   pass 1: qt = scale * q tile^T                    (the scale folded into the operand)
-  ///   pass 2: for each key tile [j0, j1) the mask does not hide:
-  ///             st = k[j0:j1] qt                        (the column maxima in the same pass
-  ///                                                      when the tile needs no mask)
-  ///             otherwise mask st (-inf where hidden), then its column maxima
-  ///             online softmax down the columns of st  (a vector of queries at a time)
-  ///             ot = alpha ot + v[j0:j1]^T st
-  ///   pass 3: out = ot^T / l (zeros when the query sees nothing), logsumexp = m + log l
-  template <class T, class S>
-  static void flash_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
-                         const HeadMatrix<const S>& k,  // (Lk, D)    the whole head
-                         const HeadMatrix<const S>& v,  // (Lk, Dv)
-                         HeadMatrix<T> out,             // (rows, Dv) written
-                         const Mask<T>& mask, Index b, Index h, T scale, Index i0, Index key_tile,
-                         Workspace<T>& workspace,
-                         T* logsumexp) {  // (rows) or null
-    constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-    const Index rows = q.rows(), i1 = i0 + rows, width = padded(rows);
-    const Index dim = q.cols(), value_dim = v.cols();
-    // Row stride of qt, st and ot: this tile's width, not the workspace's, so that a tile
-    // gives the same bits whatever the longest sequence of the call (Eigen's products round
-    // differently at different strides).
-    const Index stride = width;
-    ATTN_ASSERT(rows > 0 && width <= workspace.q.cols() && key_tile <= workspace.s.rows());
-    T* m = workspace.m.data();
-    T* l = workspace.l.data();
-    T* ot = workspace.acc.data();
-    std::fill_n(m, width, minus_inf);
-    std::fill_n(l, width, T(0));
+/// After the exp: l = l * alpha + the tile's sums of probabilities.
+template <class T>
+inline void add_sums(const T* alpha, const T* sums, Index n, T* l) {
+  for (Index i = 0; i < n; ++i)
+    l[i] = l[i] * alpha[i] + sums[i];
+}
 
-    const auto [keys_first, keys_last] = mask.key_range(b, i0, i1);
-    if (keys_first < keys_last) {
-      T* qt = workspace.q.data();
-      T* st = workspace.s.data();
-      T* tile_max = workspace.tile_max.data();
-      pack_queries(q.data(), q.outerStride(), rows, dim, scale, qt, stride, width);  // pass 1
-      const Dropout<T>& dropout = mask.dropout();
-      if (dropout.active()) {
-        for (Index r = 0; r < rows; ++r)
-          workspace.dropout_rows[static_cast<std::size_t>(r)] = dropout.row_key(b, h, i0 + r);
-      }
-      bool first_tile = true;
-      for (Index j0 = keys_first; j0 < keys_last; j0 += key_tile) {  // pass 2
-        const Index j1 = std::min(j0 + key_tile, keys_last), cols = j1 - j0;
-        const TileVisibility visibility = mask.classify(b, h, i0, i1, j0, j1);
-        if (visibility == TileVisibility::hidden)
-          continue;
-        const bool masked = visibility == TileVisibility::partial || mask.modifies_scores();
-        const HeadMatrix<const T> k_tile = tile_rows<T, S>(k, j0, cols, workspace.k);
-        scores(k_tile.data(), k_tile.outerStride(), cols, qt, stride, dim, width, st, stride,
-               masked ? nullptr : tile_max);
-        // Element by element for a keep-mask, changed scores, or sink tokens in the tile (a
-        // row's visible keys are then two intervals); else one interval per row.
-        const bool elementwise = mask.has_elementwise_mask() || mask.modifies_scores() ||
-                                 (mask.has_sink_tokens() && j0 < mask.sink_tokens());
-        if (masked && elementwise) {
-          // the element-wise mask on (rows, cols) of scores, a column-major view of st
-          Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>>
-              scores_view(st, rows, cols, Eigen::OuterStride<>(stride));
-          mask.apply(b, h, i0, j0, scores_view, visibility);
-          column_maxima(st, stride, cols, width, tile_max);
-        } else if (masked) {  // only intervals (the diagonal tiles of a causal mask)
-          std::int32_t* lo = workspace.key_lo.data();
-          std::int32_t* hi = workspace.key_hi.data();
-          for (Index r = 0; r < width; ++r) {
-            const auto [first, last] =
-                r < rows ? mask.key_interval(b, i0 + r) : std::array<Index, 2>{j0, j1};
-            lo[r] = static_cast<std::int32_t>(std::clamp(first - j0, Index(0), cols));
-            hi[r] = static_cast<std::int32_t>(std::clamp(last - j0, Index(0), cols));
-          }
-          hide_outside_intervals(st, stride, cols, width, lo, hi, tile_max);
-        }
-        T* alpha = workspace.alpha.data();
-        rescale_factors(tile_max, width, m, workspace.shift.data(), alpha);
-        exp_columns(st, stride, cols, width, workspace.shift.data(), workspace.sums.data());
-        add_sums(alpha, workspace.sums.data(), width, l);
-        if (dropout.active()) {  // on the weights of out only: l and lse are the softmax's
-          for (Index j = 0; j < cols; ++j)
-            dropout.apply_for_key(workspace.dropout_rows.data(), rows, j0 + j, st + j * stride);
-        }
-        const HeadMatrix<const T> v_tile = tile_rows<T, S>(v, j0, cols, workspace.v);
-        accumulate(st, stride, cols, width, v_tile.data(), v_tile.outerStride(), value_dim,
-                   first_tile ? nullptr : alpha, ot, stride);
-        first_tile = false;
-      }
-    }
-    for (Index r = 0; r < rows; ++r) {  // pass 3 (with Dv = 0, ot is an empty buffer: null)
-      finish_query(1, m + r, l + r, 0, value_dim > 0 ? ot + r : ot, 0, stride, value_dim,
-                   mask.sink(h), out.row(r).data(), logsumexp != nullptr ? logsumexp + r : nullptr);
+/// One query's output from `parts` partial online softmaxes (m_s, l_s, acc_s) and, when
+/// `sink` is not null, a learned sink (a part with m = sink, l = 1 and acc = 0):
+///   M = max_s m_s;  l = sum_s l_s exp(m_s - M);  out = sum_s acc_s exp(m_s - M) / l
+///   logsumexp = M + log l
+/// m_s and l_s are `part_stride` apart; acc_s[e] is at acc[s * acc_part_stride +
+/// e * acc_stride]. A part that saw nothing (m_s = -inf and l_s = 0) is skipped (its acc
+/// was never written); a query that saw nothing gets zeros and logsumexp -inf (the sink
+/// with one). NaN propagates: a NaN score may leave m_s = -inf (vector maxima drop NaN),
+/// but its probability makes l_s NaN, and then exp(m_s - M) or l_s makes the output NaN.
+template <class T>
+inline void finish_query(Index parts, const T* m, const T* l, Index part_stride, const T* acc,
+                         Index acc_part_stride, Index acc_stride, Index value_dim, const T* sink,
+                         T* out, T* logsumexp) {  // (Dv), (1) or null
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  const auto saw_nothing = [&](Index s) {
+    return m[s * part_stride] == minus_inf && l[s * part_stride] == T(0);
+  };
+  T max = minus_inf;
+  for (Index s = 0; s < parts; ++s) {
+    const T m_s = m[s * part_stride];
+    if (!saw_nothing(s) && (m_s > max || std::isnan(m_s)))  // once NaN, max stays NaN
+      max = m_s;
+  }
+  if (sink != nullptr && *sink > max)
+    max = *sink;
+  T sum = 0;
+  bool started = false;
+  for (Index s = 0; s < parts; ++s) {
+    if (saw_nothing(s))
+      continue;
+    const T factor = std::exp(m[s * part_stride] - max);  // exactly 1 for a single part
+    const T* acc_s = acc + s * acc_part_stride;
+    sum += l[s * part_stride] * factor;
+    if (started) {
+      for (Index e = 0; e < value_dim; ++e)
+        out[e] += factor * acc_s[e * acc_stride];
+    } else {
+      for (Index e = 0; e < value_dim; ++e)
+        out[e] = factor * acc_s[e * acc_stride];
+      started = true;
     }
   }
+  const T no_key = sink != nullptr ? *sink : minus_inf;
+  // The query sees no key: zeros, logsumexp -inf or the sink. (With a sink, sum can also
+  // underflow to 0 when the sink dominates: then the weights are 0 and out = 0 * acc
+  // below, NaN where acc is, as naive's 0 * v.)
+  if (!started || (sum == T(0) && sink == nullptr)) {
+    std::fill(out, out + value_dim, T(0));
+    if (logsumexp != nullptr)
+      *logsumexp = no_key;
+    return;
+  }
+  if (sink != nullptr)
+    sum += std::exp(*sink - max);
+  const T inverse = T(1) / sum;
+  for (Index e = 0; e < value_dim; ++e)
+    out[e] *= inverse;
+  if (logsumexp != nullptr)
+    *logsumexp = max + std::log(sum);
+}
 
-  /// One split [j0, j1) of the keys of one (b, kv head) for all R = G * Lq queries of the
-  /// group: their partial online softmax, written as m (R), l (R), acc (R, Dv) at `partial`.
-  /// Queries that see no key of the split keep m = -inf, l = 0 (acc is then not written).
-  ///   pass 1: q tile = scale * the group's queries
-  ///   pass 2: for each key block the mask does not hide:
-  ///             s = q tile k block^T              (k widened in registers, or first)
-  ///             mask s (per query head: bias, keep-mask and ALiBi depend on it)
-  ///             online softmax along the rows of s
-  ///             acc = alpha acc + s v block
-  template <class T, class S>
-  static void decode_split(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
-                           const HeadsView<const S>& k,  // (B, Hkv, Lk, D)
-                           const HeadsView<const S>& v,  // (B, Hkv, Lk, Dv)
-                           const Mask<T>& mask, T scale, Index b, Index kv_head, Index j0, Index j1,
-                           Index key_block, Workspace<T>& workspace,
-                           T* partial) {  // m (R), l (R), acc (R, Dv)
-    // Partials are laid out for the longest sequence, R = G * q.length rows; this one's rows
-    // are r = g * Lq_b + i.
-    const Index group = q.heads / k.heads, q_length = q.rows(b), rows = group * q_length;
-    const Index layout_rows = group * q.length;
-    const Index dim = q.dim, value_dim = v.dim;
-    T* m = partial;
-    T* l = partial + layout_rows;
-    T* acc = partial + 2 * layout_rows;
-    std::fill_n(m, rows, -std::numeric_limits<T>::infinity());
-    std::fill_n(l, rows, T(0));
+/// Rows [first, first + count) of one head in the compute scalar T: the memory itself when
+/// S is T, else widened into `buffer` (at least (count, cols)).
+template <class T, class S>
+inline HeadMatrix<const T> tile_rows(const HeadMatrix<const S>& x, Index first, Index count,
+                                     Scratch<T>& buffer) {
+  if constexpr (std::is_same_v<S, T>) {
+    return middle_rows(x, first, count);
+  } else {
+    for (Index r = 0; r < count; ++r)
+      widen(x.row(first + r).data(), buffer.data() + r * x.cols(), x.cols());
+    return HeadMatrix<const T>(buffer.data(), count, x.cols(), Eigen::OuterStride<>(x.cols()));
+  }
+}
 
-    const Index first_head = kv_head * group;
-    const auto [keys_first, keys_last] = mask.key_range(b, 0, q_length);
-    const Index lo = std::max(j0, keys_first), hi = std::min(j1, keys_last);
-    if (lo >= hi || mask.classify_heads(b, first_head, first_head + group, 0, q_length, lo, hi) ==
-                        TileVisibility::hidden)
-      return;
+/// Flash attention for queries [i0, i0 + rows) of one (batch b, query head h) pair, whose
+/// rows of q and out are given; k and v are the whole head, stored as S (T, or 16-bit
+/// widened tile by tile). `workspace` is reserved for at least padded(rows) queries and
+/// key_tile keys.
+///   pass 1: qt = scale * q tile^T                    (the scale folded into the operand)
+///   pass 2: for each key tile [j0, j1) the mask does not hide:
+///             st = k[j0:j1] qt                        (the column maxima in the same pass
+///                                                      when the tile needs no mask)
+///             otherwise mask st (-inf where hidden), then its column maxima
+///             online softmax down the columns of st  (a vector of queries at a time)
+///             ot = alpha ot + v[j0:j1]^T st
+///   pass 3: out = ot^T / l (zeros when the query sees nothing), logsumexp = m + log l
+template <class T, class S>
+void flash_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
+                const HeadMatrix<const S>& k,  // (Lk, D)    the whole head
+                const HeadMatrix<const S>& v,  // (Lk, Dv)
+                HeadMatrix<T> out,             // (rows, Dv) written
+                const Mask<T>& mask, Index b, Index h, T scale, Index i0, Index key_tile,
+                Workspace<T>& workspace,
+                T* logsumexp) {  // (rows) or null
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  const Index rows = q.rows(), i1 = i0 + rows, width = padded(rows);
+  const Index dim = q.cols(), value_dim = v.cols();
+  // Row stride of qt, st and ot: this tile's width, not the workspace's, so that a tile
+  // gives the same bits whatever the longest sequence of the call (Eigen's products round
+  // differently at different strides).
+  const Index stride = width;
+  ATTN_ASSERT(rows > 0 && width <= workspace.q.cols() && key_tile <= workspace.s.rows());
+  T* m = workspace.m.data();
+  T* l = workspace.l.data();
+  T* ot = workspace.acc.data();
+  std::fill_n(m, width, minus_inf);
+  std::fill_n(l, width, T(0));
 
-    T* q_tile = workspace.q.data();  // pass 1: (rows, D)
-    for (Index g = 0; g < group; ++g) {
-      for (Index i = 0; i < q_length; ++i) {
-        const T* from = q.head(b, first_head + g).row(i).data();
-        T* to = q_tile + (g * q_length + i) * dim;
-        for (Index d = 0; d < dim; ++d)
-          to[d] = scale * from[d];
-      }
+  const auto [keys_first, keys_last] = mask.key_range(b, i0, i1);
+  if (keys_first < keys_last) {
+    T* qt = workspace.q.data();
+    T* st = workspace.s.data();
+    T* tile_max = workspace.tile_max.data();
+    pack_queries(q.data(), q.outerStride(), rows, dim, scale, qt, stride, width);  // pass 1
+    const Dropout<T>& dropout = mask.dropout();
+    if (dropout.active()) {
+      for (Index r = 0; r < rows; ++r)
+        workspace.dropout_rows[static_cast<std::size_t>(r)] = dropout.row_key(b, h, i0 + r);
     }
-    T* s = workspace.s.data();
-    const Index s_stride = workspace.s.cols();
-    T* alpha = workspace.alpha.data();
-    bool first_block = true;
-    for (Index c0 = lo; c0 < hi; c0 += key_block) {  // pass 2
-      const Index c1 = std::min(c0 + key_block, hi), cols = c1 - c0;
-      const TileVisibility visibility =
-          mask.classify_heads(b, first_head, first_head + group, 0, q_length, c0, c1);
+    bool first_tile = true;
+    for (Index j0 = keys_first; j0 < keys_last; j0 += key_tile) {  // pass 2
+      const Index j1 = std::min(j0 + key_tile, keys_last), cols = j1 - j0;
+      const TileVisibility visibility = mask.classify(b, h, i0, i1, j0, j1);
       if (visibility == TileVisibility::hidden)
         continue;
-      const S* k_rows = k.head(b, kv_head).row(c0).data();
-      const S* v_rows = v.head(b, kv_head).row(c0).data();
-      if constexpr (widens_in_registers || std::is_same_v<S, T>) {
-        dot_scores(q_tile, dim, rows, k_rows, k.row_stride, cols, dim, s, s_stride);
-      } else {
-        const HeadMatrix<const T> k_block = tile_rows<T, S>(
-            HeadMatrix<const S>(k_rows, cols, dim, Eigen::OuterStride<>(k.row_stride)), 0, cols,
-            workspace.k);
-        dot_scores(q_tile, dim, rows, k_block.data(), k_block.outerStride(), cols, dim, s,
-                   s_stride);
-      }
-      if (visibility == TileVisibility::partial || mask.modifies_scores()) {
-        for (Index g = 0; g < group; ++g) {
-          Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> head_rows(
-              s + g * q_length * s_stride, q_length, cols, Eigen::OuterStride<>(s_stride));
-          mask.apply(b, first_head + g, 0, c0, head_rows, visibility);
+      const bool masked = visibility == TileVisibility::partial || mask.modifies_scores();
+      const HeadMatrix<const T> k_tile = tile_rows<T, S>(k, j0, cols, workspace.k);
+      scores(k_tile.data(), k_tile.outerStride(), cols, qt, stride, dim, width, st, stride,
+             masked ? nullptr : tile_max);
+      // Element by element for a keep-mask, changed scores, or sink tokens in the tile (a
+      // row's visible keys are then two intervals); else one interval per row.
+      const bool elementwise = mask.has_elementwise_mask() || mask.modifies_scores() ||
+                               (mask.has_sink_tokens() && j0 < mask.sink_tokens());
+      if (masked && elementwise) {
+        // the element-wise mask on (rows, cols) of scores, a column-major view of st
+        Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>>
+            scores_view(st, rows, cols, Eigen::OuterStride<>(stride));
+        mask.apply(b, h, i0, j0, scores_view, visibility);
+        column_maxima(st, stride, cols, width, tile_max);
+      } else if (masked) {  // only intervals (the diagonal tiles of a causal mask)
+        std::int32_t* lo = workspace.key_lo.data();
+        std::int32_t* hi = workspace.key_hi.data();
+        for (Index r = 0; r < width; ++r) {
+          const auto [first, last] =
+              r < rows ? mask.key_interval(b, i0 + r) : std::array<Index, 2>{j0, j1};
+          lo[r] = static_cast<std::int32_t>(std::clamp(first - j0, Index(0), cols));
+          hi[r] = static_cast<std::int32_t>(std::clamp(last - j0, Index(0), cols));
         }
+        hide_outside_intervals(st, stride, cols, width, lo, hi, tile_max);
       }
-      row_maxima(s, s_stride, rows, cols, workspace.tile_max.data());
-      rescale_factors(workspace.tile_max.data(), rows, m, workspace.shift.data(), alpha);
-      exp_rows(s, s_stride, rows, cols, workspace.shift.data(), workspace.sums.data());
-      add_sums(alpha, workspace.sums.data(), rows, l);
-      if constexpr (widens_in_registers || std::is_same_v<S, T>) {
-        weighted_sum(s, s_stride, rows, v_rows, v.row_stride, cols, value_dim,
-                     first_block ? nullptr : alpha, acc, value_dim);
-      } else {
-        const HeadMatrix<const T> v_block = tile_rows<T, S>(
-            HeadMatrix<const S>(v_rows, cols, value_dim, Eigen::OuterStride<>(v.row_stride)), 0,
-            cols, workspace.v);
-        weighted_sum(s, s_stride, rows, v_block.data(), v_block.outerStride(), cols, value_dim,
-                     first_block ? nullptr : alpha, acc, value_dim);
+      T* alpha = workspace.alpha.data();
+      rescale_factors(tile_max, width, m, workspace.shift.data(), alpha);
+      exp_columns(st, stride, cols, width, workspace.shift.data(), workspace.sums.data());
+      add_sums(alpha, workspace.sums.data(), width, l);
+      if (dropout.active()) {  // on the weights of out only: l and lse are the softmax's
+        for (Index j = 0; j < cols; ++j)
+          dropout.apply_for_key(workspace.dropout_rows.data(), rows, j0 + j, st + j * stride);
       }
-      first_block = false;
+      const HeadMatrix<const T> v_tile = tile_rows<T, S>(v, j0, cols, workspace.v);
+      accumulate(st, stride, cols, width, v_tile.data(), v_tile.outerStride(), value_dim,
+                 first_tile ? nullptr : alpha, ot, stride);
+      first_tile = false;
     }
   }
+  for (Index r = 0; r < rows; ++r) {  // pass 3 (with Dv = 0, ot is an empty buffer: null)
+    finish_query(1, m + r, l + r, 0, value_dim > 0 ? ot + r : ot, 0, stride, value_dim,
+                 mask.sink(h), out.row(r).data(), logsumexp != nullptr ? logsumexp + r : nullptr);
+  }
+}
 
-  /// Merges the `splits` partials of one (b, kv head) (consecutive, `partial_size` apart)
-  /// into out and logsumexp (or null), in split order.
-  template <class T>
-  static void merge_splits(const T* partials, Index splits, Index partial_size, Index b,
-                           Index kv_head, Index group, const HeadsView<T>& out,  // (B, Hq, Lq, Dv)
-                           const Mask<T>& mask, const RowValues<T>& logsumexp) {
-    const Index q_length = out.rows(b), rows = group * q_length, value_dim = out.dim;
-    const Index layout_rows = group * out.length;
-    for (Index r = 0; r < rows; ++r) {
-      const Index h = kv_head * group + r / q_length, i = r % q_length;
-      T* lse = logsumexp.data != nullptr ? logsumexp.head(b, h) + i : nullptr;
-      if (splits == 0) {  // Lk = 0: no partials to point into; the row sees no key
-        finish_query<T>(0, nullptr, nullptr, 0, nullptr, 0, 1, value_dim, mask.sink(h),
-                        out.head(b, h).row(i).data(), lse);
-        continue;
-      }
-      // NOLINTNEXTLINE(readability-suspicious-call-argument): the splits are the parts
-      finish_query(splits, partials + r, partials + layout_rows + r, partial_size,
-                   partials + 2 * layout_rows + r * value_dim, partial_size, 1, value_dim,
-                   mask.sink(h), out.head(b, h).row(i).data(), lse);
+/// One split [j0, j1) of the keys of one (b, kv head) for all R = G * Lq queries of the
+/// group: their partial online softmax, written as m (R), l (R), acc (R, Dv) at `partial`.
+/// Queries that see no key of the split keep m = -inf, l = 0 (acc is then not written).
+///   pass 1: q tile = scale * the group's queries
+///   pass 2: for each key block the mask does not hide:
+///             s = q tile k block^T              (k widened in registers, or first)
+///             mask s (per query head: bias, keep-mask and ALiBi depend on it)
+///             online softmax along the rows of s
+///             acc = alpha acc + s v block
+template <class T, class S>
+void decode_split(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
+                  const HeadsView<const S>& k,  // (B, Hkv, Lk, D)
+                  const HeadsView<const S>& v,  // (B, Hkv, Lk, Dv)
+                  const Mask<T>& mask, T scale, Index b, Index kv_head, Index j0, Index j1,
+                  Index key_block, Workspace<T>& workspace,
+                  T* partial) {  // m (R), l (R), acc (R, Dv)
+  // Partials are laid out for the longest sequence, R = G * q.length rows; this one's rows
+  // are r = g * Lq_b + i.
+  const Index group = q.heads / k.heads, q_length = q.rows(b), rows = group * q_length;
+  const Index layout_rows = group * q.length;
+  const Index dim = q.dim, value_dim = v.dim;
+  T* m = partial;
+  T* l = partial + layout_rows;
+  T* acc = partial + 2 * layout_rows;
+  std::fill_n(m, rows, -std::numeric_limits<T>::infinity());
+  std::fill_n(l, rows, T(0));
+
+  const Index first_head = kv_head * group;
+  const auto [keys_first, keys_last] = mask.key_range(b, 0, q_length);
+  const Index lo = std::max(j0, keys_first), hi = std::min(j1, keys_last);
+  if (lo >= hi || mask.classify_heads(b, first_head, first_head + group, 0, q_length, lo, hi) ==
+                      TileVisibility::hidden)
+    return;
+
+  T* q_tile = workspace.q.data();  // pass 1: (rows, D)
+  for (Index g = 0; g < group; ++g) {
+    for (Index i = 0; i < q_length; ++i) {
+      const T* from = q.head(b, first_head + g).row(i).data();
+      T* to = q_tile + (g * q_length + i) * dim;
+      for (Index d = 0; d < dim; ++d)
+        to[d] = scale * from[d];
     }
   }
-};
+  T* s = workspace.s.data();
+  const Index s_stride = workspace.s.cols();
+  T* alpha = workspace.alpha.data();
+  bool first_block = true;
+  for (Index c0 = lo; c0 < hi; c0 += key_block) {  // pass 2
+    const Index c1 = std::min(c0 + key_block, hi), cols = c1 - c0;
+    const TileVisibility visibility =
+        mask.classify_heads(b, first_head, first_head + group, 0, q_length, c0, c1);
+    if (visibility == TileVisibility::hidden)
+      continue;
+    const S* k_rows = k.head(b, kv_head).row(c0).data();
+    const S* v_rows = v.head(b, kv_head).row(c0).data();
+    if constexpr (widens_in_registers || std::is_same_v<S, T>) {
+      dot_scores(q_tile, dim, rows, k_rows, k.row_stride, cols, dim, s, s_stride);
+    } else {
+      const HeadMatrix<const T> k_block = tile_rows<T, S>(
+          HeadMatrix<const S>(k_rows, cols, dim, Eigen::OuterStride<>(k.row_stride)), 0, cols,
+          workspace.k);
+      dot_scores(q_tile, dim, rows, k_block.data(), k_block.outerStride(), cols, dim, s, s_stride);
+    }
+    if (visibility == TileVisibility::partial || mask.modifies_scores()) {
+      for (Index g = 0; g < group; ++g) {
+        Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> head_rows(
+            s + g * q_length * s_stride, q_length, cols, Eigen::OuterStride<>(s_stride));
+        mask.apply(b, first_head + g, 0, c0, head_rows, visibility);
+      }
+    }
+    row_maxima(s, s_stride, rows, cols, workspace.tile_max.data());
+    rescale_factors(workspace.tile_max.data(), rows, m, workspace.shift.data(), alpha);
+    exp_rows(s, s_stride, rows, cols, workspace.shift.data(), workspace.sums.data());
+    add_sums(alpha, workspace.sums.data(), rows, l);
+    if constexpr (widens_in_registers || std::is_same_v<S, T>) {
+      weighted_sum(s, s_stride, rows, v_rows, v.row_stride, cols, value_dim,
+                   first_block ? nullptr : alpha, acc, value_dim);
+    } else {
+      const HeadMatrix<const T> v_block = tile_rows<T, S>(
+          HeadMatrix<const S>(v_rows, cols, value_dim, Eigen::OuterStride<>(v.row_stride)), 0, cols,
+          workspace.v);
+      weighted_sum(s, s_stride, rows, v_block.data(), v_block.outerStride(), cols, value_dim,
+                   first_block ? nullptr : alpha, acc, value_dim);
+    }
+    first_block = false;
+  }
+}
+
+/// Merges the `splits` partials of one (b, kv head) (consecutive, `partial_size` apart)
+/// into out and logsumexp (or null), in split order.
+template <class T>
+void merge_splits(const T* partials, Index splits, Index partial_size, Index b, Index kv_head,
+                  Index group, const HeadsView<T>& out,  // (B, Hq, Lq, Dv)
+                  const Mask<T>& mask, const RowValues<T>& logsumexp) {
+  const Index q_length = out.rows(b), rows = group * q_length, value_dim = out.dim;
+  const Index layout_rows = group * out.length;
+  for (Index r = 0; r < rows; ++r) {
+    const Index h = kv_head * group + r / q_length, i = r % q_length;
+    T* lse = logsumexp.data != nullptr ? logsumexp.head(b, h) + i : nullptr;
+    if (splits == 0) {  // Lk = 0: no partials to point into; the row sees no key
+      finish_query<T>(0, nullptr, nullptr, 0, nullptr, 0, 1, value_dim, mask.sink(h),
+                      out.head(b, h).row(i).data(), lse);
+      continue;
+    }
+    // NOLINTNEXTLINE(readability-suspicious-call-argument): the splits are the parts
+    finish_query(splits, partials + r, partials + layout_rows + r, partial_size,
+                 partials + 2 * layout_rows + r * value_dim, partial_size, 1, value_dim,
+                 mask.sink(h), out.head(b, h).row(i).data(), lse);
+  }
+}

@@ -1,5 +1,5 @@
 // attn/kernels/rope.hpp: the rotation of rotary position embeddings (attn/rope.hpp), per
-// instruction set, and the dispatch to the one that runs.
+// instruction set (kernels/dispatch.hpp picks the one that runs).
 //
 //   x      rows of D features (one token of one head each), `row_stride` apart, stored as S
 //          (float, double, Eigen::half or Eigen::bfloat16), rotated in place
@@ -12,9 +12,9 @@
 // 16-bit rows are widened to float, rotated and rounded once (ties to even).
 //
 // generic: plain loops for any T, compiled for the translation unit's own flags. avx2 and
-// avx512 (float tables only, kernels/simd/rope.inl inside target regions): whole vectors of
-// 8 or 16 floats, 16-bit rows widened and narrowed in registers; the pairs past the last
-// whole vector go through the generic loop.
+// avx512 (float tables only, kernels/simd/rope.inl, compiled once per vector instruction set
+// by simd/foreach_isa.hpp): whole vectors of 8 or 16 floats, 16-bit rows widened and narrowed
+// in registers; the pairs past the last whole vector go through the generic loop.
 #pragma once
 
 #include <type_traits>
@@ -23,9 +23,7 @@
 
 #include "attn/config.hpp"
 #include "attn/cpu.hpp"
-#include "attn/kernels/simd/avx2.hpp"
-#include "attn/kernels/simd/avx512.hpp"
-#include "attn/kernels/simd/target.hpp"
+#include "attn/kernels/simd/tile_products.hpp"
 
 namespace attn::detail {
 
@@ -67,36 +65,6 @@ void rope_rows(S* x, Index rows, Index row_stride, const T* table, Index rotary_
 }  // namespace generic
 }  // namespace attn::detail
 
-#if ATTN_X86_DISPATCH
-ATTN_BEGIN_TARGET_AVX2
-namespace attn::detail::avx2 {
-#include "attn/kernels/simd/rope.inl"  // NOLINT(readability-duplicate-include): per ISA
-}  // namespace attn::detail::avx2
-ATTN_END_TARGET
-
-ATTN_BEGIN_TARGET_AVX512
-namespace attn::detail::avx512 {
-#include "attn/kernels/simd/rope.inl"  // NOLINT(readability-duplicate-include): per ISA
-}  // namespace attn::detail::avx512
-ATTN_END_TARGET
-#endif
-
-namespace attn::detail {
-
-/// generic::rope_rows, or its vector version for `isa` when the table is float.
-template <class T, class S>
-void rope_rows(Isa isa, S* x, Index rows, Index row_stride, const T* table, Index rotary_dim,
-               const Index* positions, bool interleaved) {
-#if ATTN_X86_DISPATCH
-  if constexpr (std::is_same_v<T, float> && !std::is_same_v<S, double>) {
-    if (isa == Isa::avx512)
-      return avx512::rope_rows(x, rows, row_stride, table, rotary_dim, positions, interleaved);
-    if (isa == Isa::avx2)
-      return avx2::rope_rows(x, rows, row_stride, table, rotary_dim, positions, interleaved);
-  }
-#endif
-  (void)isa;
-  generic::rope_rows(x, rows, row_stride, table, rotary_dim, positions, interleaved);
-}
-
-}  // namespace attn::detail
+#define ATTN_ISA_SOURCE "attn/kernels/simd/rope.inl"
+#define ATTN_ISA_VECTOR_ONLY
+#include "attn/kernels/simd/foreach_isa.hpp"

@@ -1,10 +1,10 @@
-// attn/kernels/simd/avx2.hpp: the float kernels compiled for AVX2 + FMA + F16C, in
-// namespace attn::detail::avx2, whatever flags the translation unit is built with.
+// attn/kernels/simd/avx2.hpp: the vector primitives of AVX2 + FMA + F16C (8 floats per
+// __m256) and its register-block sizes, in namespace attn::detail::avx2 inside its target
+// region, whatever flags the translation unit is built with.
 //
-// This file defines the vector primitives (8 floats per __m256) and the register-block
-// sizes; the kernels themselves are written once, on these primitives, in tile_products.inl
-// and gemm_micro.inl, and included here and in avx512.hpp. Every primitive gives the same
-// bits as its AVX-512 namesake.
+// The kernels are written once, on these primitives (tile_products.inl, gemm_micro.inl,
+// rope.inl), and compiled for each instruction set by simd/foreach_isa.hpp. Every primitive
+// gives the same bits as its AVX-512 namesake.
 #pragma once
 
 #include "attn/kernels/simd/target.hpp"
@@ -26,6 +26,8 @@ ATTN_BEGIN_TARGET_AVX2
 namespace attn::detail::avx2 {
 
 inline constexpr Isa isa = Isa::avx2;
+/// The decode products read 16-bit k and v themselves, widening them in registers.
+inline constexpr bool widens_in_registers = true;
 inline constexpr Index lanes = 8;  // floats per vector
 using vec = __m256;
 using ivec = __m256i;
@@ -44,6 +46,8 @@ inline constexpr Index decode_rows = 2;
 inline constexpr Index decode_vectors = 4;
 inline constexpr Index gemm_rows = 6;
 inline constexpr Index gemm_vectors = 2;
+/// Rows of a packed per GEMM block (kernels/gemm.hpp): mc x kc of a stays in L2.
+inline constexpr Index gemm_block_rows = 144;
 
 inline vec zero() {
   return _mm256_setzero_ps();
@@ -234,9 +238,6 @@ inline void prefetch(std::uintptr_t address) {
   _mm_prefetch(reinterpret_cast<const char*>(address),  // NOLINT(performance-no-int-to-ptr)
                _MM_HINT_T0);
 }
-
-#include "attn/kernels/simd/gemm_micro.inl"
-#include "attn/kernels/simd/tile_products.inl"
 
 }  // namespace attn::detail::avx2
 ATTN_END_TARGET

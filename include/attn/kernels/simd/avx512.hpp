@@ -1,9 +1,9 @@
-// attn/kernels/simd/avx512.hpp: the float kernels compiled for AVX-512F, in namespace
-// attn::detail::avx512, whatever flags the translation unit is built with.
+// attn/kernels/simd/avx512.hpp: the vector primitives of AVX-512F (16 floats per __m512) and
+// its register-block sizes, in namespace attn::detail::avx512 inside its target region,
+// whatever flags the translation unit is built with.
 //
-// This file defines the vector primitives (16 floats per __m512) and the register-block
-// sizes; the kernels themselves are written once, on these primitives, in tile_products.inl
-// and gemm_micro.inl, and included here and in avx2.hpp.
+// The kernels are written once, on these primitives (tile_products.inl, gemm_micro.inl,
+// rope.inl), and compiled for each instruction set by simd/foreach_isa.hpp.
 #pragma once
 
 #include "attn/kernels/simd/target.hpp"
@@ -25,6 +25,8 @@ ATTN_BEGIN_TARGET_AVX512
 namespace attn::detail::avx512 {
 
 inline constexpr Isa isa = Isa::avx512;
+/// The decode products read 16-bit k and v themselves, widening them in registers.
+inline constexpr bool widens_in_registers = true;
 inline constexpr Index lanes = 16;  // floats per vector
 using vec = __m512;
 using ivec = __m512i;
@@ -43,6 +45,8 @@ inline constexpr Index decode_rows = 4;
 inline constexpr Index decode_vectors = 4;
 inline constexpr Index gemm_rows = 14;
 inline constexpr Index gemm_vectors = 2;
+/// Rows of a packed per GEMM block (kernels/gemm.hpp): mc x kc of a stays in L2.
+inline constexpr Index gemm_block_rows = 112;
 
 inline vec zero() {
   return _mm512_setzero_ps();
@@ -264,9 +268,6 @@ inline void prefetch(std::uintptr_t address) {
   _mm_prefetch(reinterpret_cast<const char*>(address),  // NOLINT(performance-no-int-to-ptr)
                _MM_HINT_T0);
 }
-
-#include "attn/kernels/simd/gemm_micro.inl"
-#include "attn/kernels/simd/tile_products.inl"
 
 }  // namespace attn::detail::avx512
 ATTN_END_TARGET

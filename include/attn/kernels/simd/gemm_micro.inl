@@ -1,7 +1,8 @@
 // attn/kernels/simd/gemm_micro.inl: the register-blocked micro-kernel of the float GEMM and
 // its packing, written once on the vector primitives of the namespace that includes this
-// file (simd/avx2.hpp, simd/avx512.hpp). No include guard and no #include: it is included
-// inside namespace attn::detail::<isa>, within that instruction set's target region.
+// file (simd/avx2.hpp, simd/avx512.hpp). No include guard and no #include: simd/tile_products.hpp
+// includes it once per vector instruction set (simd/foreach_isa.hpp), inside
+// attn::detail::avx2 and ::avx512 within their target regions.
 // kernels/gemm.hpp does the cache blocking and the threads; the interface is pointers and
 // scalars only.
 //
@@ -19,8 +20,14 @@
 // do not depend on where the tile boundaries fall.
 
 struct Gemm {
+  static constexpr bool packed = true;                    // kernels/gemm.hpp: gemm_of
   static constexpr Index rows = gemm_rows;                // mr
   static constexpr Index columns = gemm_vectors * lanes;  // nr
+  /// Cache blocks (kernels/gemm.hpp): the most of the depth (kc), of the rows of a packed at
+  /// once (mc, a multiple of mr) and of the columns of b packed at once (nc).
+  static constexpr Index block_depth = 256;
+  static constexpr Index block_rows = gemm_block_rows;
+  static constexpr Index block_columns = 4096;
 
   /// Panels of `rows` rows of a (count, depth): ap[p * mr * depth + k * mr + r] =
   /// a[p * mr + r, k], zeros past `count`.

@@ -1,6 +1,6 @@
-// attn/kernels/simd/rope.inl: the vector rotation of kernels/rope.hpp, included inside the
-// namespace (and target region) of one instruction set, on its primitives (avx2.hpp,
-// avx512.hpp): float tables, rows of float, Eigen::half or Eigen::bfloat16.
+// attn/kernels/simd/rope.inl: the vector rotation of kernels/rope.hpp, compiled once per
+// vector instruction set (simd/foreach_isa.hpp) on its primitives (avx2.hpp, avx512.hpp):
+// float tables, rows of float, Eigen::half or Eigen::bfloat16.
 //
 //   half_split   a = x[i : i + lanes), b = x[i + R/2 : ...), c and s straight from the table:
 //                x[i...] = a c - b s, x[i + R/2...] = b c + a s
@@ -9,9 +9,10 @@
 //                v c - w s in the even lanes, v c + w s in the odd ones (one fmaddsub)
 // Pairs past the last whole vector go through generic::rope_pairs.
 
-template <class S>
-void rope_rows(S* x, Index rows, Index row_stride, const float* table, Index rotary_dim,
+template <class T, class S>
+void rope_rows(S* x, Index rows, Index row_stride, const T* table, Index rotary_dim,
                const Index* positions, bool interleaved) {
+  static_assert(std::is_same_v<T, float>, "rope_rows: the vector rotation takes float tables");
   const Index half = rotary_dim / 2;
   for (Index r = 0; r < rows; ++r) {
     S* row = x + r * row_stride;

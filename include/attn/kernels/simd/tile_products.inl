@@ -1,8 +1,9 @@
 // attn/kernels/simd/tile_products.inl: the tile products of the flash and decode kernels,
 // written once on the vector primitives of the namespace that includes this file
 // (simd/avx2.hpp, simd/avx512.hpp: vec, lanes, load, store, fmadd, exp_shifted, the block
-// sizes, ...). No include guard and no #include: it is included inside
-// namespace attn::detail::<isa>, within that instruction set's target region.
+// sizes, ...). No include guard and no #include: simd/tile_products.hpp includes it once per
+// vector instruction set (simd/foreach_isa.hpp), inside attn::detail::avx2 and ::avx512
+// within their target regions.
 //
 // Flash keeps the queries of a tile along the vector lanes (kernels/online_softmax.inl):
 //

@@ -1,0 +1,164 @@
+// attn/kernels/dispatch.hpp: the one place that turns an instruction set into its kernels.
+//
+// Every instruction-set namespace (generic, avx2, avx512) ends with one Table
+// (simd/table.inl) of its entry points:
+//
+//   forward<T, S>   flash_tile, decode_split, merge_splits   (kernels/online_softmax.inl)
+//   backward<T>     backward_key_tile                        (kernels/flash_backward.inl)
+//   gemm<float>     the projections' GEMM                    (kernels/gemm.hpp)
+//   rope<S>         the rotation of RoPE rows                (kernels/simd/rope.inl)
+//   widening<S>     16-bit rows widened to float             (simd/tile_products.inl)
+//
+// and dispatch(isa, pick) is the only switch on Isa in the library: the callers below take
+// the instruction set from their plan (attn/plan.hpp, the only reader of active_isa()), so a
+// call never runs two instruction sets, whatever set_isa() does meanwhile on another thread.
+// The mods' tile loops (kernels/mod_loops.hpp) are compiled per instruction set for each
+// user's callable and picked by the same plan's isa. Every scalar but float has only the
+// generic kernels. Adding an instruction set: its primitives header, one block in
+// simd/foreach_isa.hpp and one case here (docs/instruction-sets.md).
+#pragma once
+
+#include <type_traits>
+
+#include <Eigen/Core>
+
+#include "attn/config.hpp"
+#include "attn/cpu.hpp"
+#include "attn/kernels/backward_tiles.hpp"
+#include "attn/kernels/gemm.hpp"
+#include "attn/kernels/online_softmax.hpp"
+#include "attn/kernels/rope.hpp"
+
+namespace attn::detail {
+
+/// The flash and decode kernels of one instruction set for compute scalar T, K/V stored as S.
+template <class T, class S>
+struct ForwardKernels {
+  Isa isa;
+  Index lanes;                  ///< flash query tiles are padded to whole vectors of this many
+  bool widens_kv_in_registers;  ///< decode reads 16-bit K/V itself (else widened per block)
+  decltype(&generic::flash_tile<T, S>) flash_tile;
+  decltype(&generic::decode_split<T, S>) decode_split;
+  decltype(&generic::merge_splits<T>) merge_splits;
+
+  Index padded(Index n) const { return (n + lanes - 1) / lanes * lanes; }
+};
+
+/// The flash backward's tile step of one instruction set for compute scalar T.
+template <class T>
+struct BackwardKernels {
+  Isa isa;
+  Index lanes;  ///< key tiles are padded to whole vectors of this many
+  decltype(&generic::backward_key_tile<T>) backward_key_tile;
+
+  Index padded(Index n) const { return (n + lanes - 1) / lanes * lanes; }
+};
+
+/// c (M, N) = a (M, K) * b (K, N) [+ c] [+ bias]: kernels/gemm.hpp's gemm_of.
+using GemmKernel = void (*)(Index m, Index n, Index k, const float* a, Index lda, const float* b,
+                            Index ldb, float* c, Index ldc, const float* bias, bool accumulate,
+                            bool parallel);
+/// Rotates rows of S in place by a float table (kernels/rope.hpp).
+template <class S>
+using RopeKernel = void (*)(S* x, Index rows, Index row_stride, const float* table,
+                            Index rotary_dim, const Index* positions, bool interleaved);
+/// dst[0:n) = src[0:n) widened to float.
+template <class S>
+using WidenKernel = void (*)(const S* src, float* dst, Index n);
+
+}  // namespace attn::detail
+
+#define ATTN_ISA_SOURCE "attn/kernels/simd/table.inl"
+#include "attn/kernels/simd/foreach_isa.hpp"
+
+namespace attn::detail {
+
+/// pick(the Table of `isa`): the only switch on the instruction set.
+template <class Pick>
+decltype(auto) dispatch(Isa isa, const Pick& pick) {
+  ATTN_DISPATCH_OBSERVER(isa);
+#if ATTN_X86_DISPATCH
+  switch (isa) {
+    case Isa::avx512:
+      return pick(avx512::Table{});
+    case Isa::avx2:
+      return pick(avx2::Table{});
+    case Isa::generic:
+      break;
+  }
+#endif
+  return pick(generic::Table{});
+}
+
+/// The flash and decode kernels of `isa` (the generic ones for any scalar but float).
+template <class T, class S>
+const ForwardKernels<T, S>& forward_kernels(Isa isa) {
+  if constexpr (std::is_same_v<T, float>) {
+    return dispatch(isa, [](auto table) -> const ForwardKernels<T, S>& {
+      return decltype(table)::template forward<T, S>;
+    });
+  } else {
+    ATTN_DISPATCH_OBSERVER(isa);
+    return generic::Table::forward<T, S>;
+  }
+}
+
+/// The flash backward's tile step of `isa` (the generic one for any scalar but float).
+template <class T>
+const BackwardKernels<T>& backward_kernels(Isa isa) {
+  if constexpr (std::is_same_v<T, float>) {
+    return dispatch(isa, [](auto table) -> const BackwardKernels<T>& {
+      return decltype(table)::template backward<T>;
+    });
+  } else {
+    ATTN_DISPATCH_OBSERVER(isa);
+    return generic::Table::backward<T>;
+  }
+}
+
+/// c (M, N) = a (M, K) * b (K, N) [+ c if accumulate] [+ bias (N) on every row], row-major,
+/// strides in elements: attn's packed GEMM on `isa` for float (kernels/gemm.hpp), Eigen's
+/// product for every other scalar. c must not overlap a, b or bias. With `parallel` (the
+/// plan's, attn/plan.hpp: plan_gemm) the OpenMP threads share it (the same bits for any
+/// thread count).
+template <class T>
+void gemm(Isa isa, Index m, Index n, Index k, const T* a, Index lda, const T* b, Index ldb, T* c,
+          Index ldc, const T* bias = nullptr, bool accumulate = false, bool parallel = true) {
+  if constexpr (std::is_same_v<T, float>) {
+    const GemmKernel kernel =
+        dispatch(isa, [](auto table) { return decltype(table)::template gemm<float>; });
+    kernel(m, n, k, a, lda, b, ldb, c, ldc, bias, accumulate, parallel);
+  } else {
+    ATTN_DISPATCH_OBSERVER(isa);
+    (void)parallel;
+    gemm_generic(m, n, k, a, lda, b, ldb, c, ldc, bias, accumulate);
+  }
+}
+
+/// Rotates `rows` rows of x (row r at x + r * row_stride) at positions[r] by `table`
+/// (kernels/rope.hpp): the vector rotation of `isa` for float tables, else the generic loop.
+template <class T, class S>
+void rope_rows(Isa isa, S* x, Index rows, Index row_stride, const T* table, Index rotary_dim,
+               const Index* positions, bool interleaved) {
+  if constexpr (std::is_same_v<T, float> && !std::is_same_v<S, double>) {
+    const RopeKernel<S> kernel =
+        dispatch(isa, [](auto set) { return decltype(set)::template rope<S>; });
+    kernel(x, rows, row_stride, table, rotary_dim, positions, interleaved);
+  } else {
+    ATTN_DISPATCH_OBSERVER(isa);
+    generic::rope_rows(x, rows, row_stride, table, rotary_dim, positions, interleaved);
+  }
+}
+
+/// dst[0:n) = src[0:n) widened to float (exact), with the vector conversions of `isa`:
+/// Eigen 3.4's cast<float>() of half converts one scalar at a time (about 1 ns per element),
+/// a vector conversion 8 or 16 per instruction.
+template <class S, class = std::enable_if_t<std::is_same_v<S, Eigen::half> ||
+                                            std::is_same_v<S, Eigen::bfloat16>>>
+void widen(Isa isa, const S* src, float* dst, Index n) {
+  const WidenKernel<S> kernel =
+      dispatch(isa, [](auto table) { return decltype(table)::template widening<S>; });
+  kernel(src, dst, n);
+}
+
+}  // namespace attn::detail
