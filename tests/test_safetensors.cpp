@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -48,10 +49,16 @@ std::vector<std::uint8_t> file_bytes(const std::string& path) {
 }
 
 /// A path under the temporary directory, removed when the test case ends.
+/// A file in the temporary directory, removed at the end of the scope. Its name is unique to
+/// the process and the object: ctest runs the test cases (each type of a template case too)
+/// as processes in parallel, and one that truncates a file another has mapped makes the
+/// other's reads fault (SIGBUS).
 struct TempFile {
   std::filesystem::path path;
   explicit TempFile(const std::string& name)
-      : path(std::filesystem::temp_directory_path() / ("attn_test_safetensors_" + name)) {}
+      : path(std::filesystem::temp_directory_path() /
+             ("attn_test_safetensors_" + std::to_string(std::random_device{}()) + "_" +
+              std::to_string(next_id()) + "_" + name)) {}
   ~TempFile() {
     std::error_code ignored;
     std::filesystem::remove(path, ignored);
@@ -59,6 +66,12 @@ struct TempFile {
   TempFile(const TempFile&) = delete;
   TempFile& operator=(const TempFile&) = delete;
   std::string str() const { return path.string(); }
+
+ private:
+  static unsigned next_id() {
+    static std::atomic<unsigned> id{0};
+    return id++;
+  }
 };
 
 /// The same n bytes (NaN payloads and signed zeros included, unlike ==).
