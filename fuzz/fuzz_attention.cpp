@@ -79,8 +79,6 @@
 #include <attn/linear_attention.hpp>
 #include <attn/mods.hpp>
 
-#include "support/instances.hpp"
-
 #include "support/masked_problem.hpp"
 #include "support/reference.hpp"
 

@@ -10,7 +10,7 @@
 # turn, attn/cpu.hpp); the two builds differ in what the compiler may use outside attn's
 # target regions (naive and chunked are Eigen's products, compiled for the build's flags).
 #
-# The preset ci builds the portable variant in its tree and runs it as the ctest
+# The preset ci-asan builds the portable variant in its tree and runs it as the ctest
 # fuzz_attention; this script runs either variant alone, for as long as you like.
 #
 # Builds go to build/fuzz/; each run starts from the committed seed corpus fuzz/corpus/
@@ -36,8 +36,8 @@ cxx="${ATTN_FUZZ_CXX:-clang++}"
 
 flags_for() {
   local flags=(-std=c++17 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all
-    -fno-omit-frame-pointer -isystem /usr/include/eigen3 -I include -I tests
-    "-DATTN_FIXTURE_DIR=\"$repo_root/tests/reference\"")
+    -fno-omit-frame-pointer -isystem /usr/include/eigen3 -I include -I tests -DATTN_COMPILED
+    -DEIGEN_MAX_ALIGN_BYTES=64 "-DATTN_FIXTURE_DIR=\"$repo_root/tests/reference\"")
   case "$1" in
     portable) ;;
     native) flags+=(-march=native) ;;
@@ -49,7 +49,7 @@ flags_for() {
   printf '%s\n' "${flags[@]}"
 }
 
-# The target and the instantiations it shares with the unit tests (tests/instances/), every
+# The target, attn::compiled's sources (src/) and the tests' helpers (tests/support/), every
 # translation unit of every variant two at a time (the machine has 2 cores).
 start=$SECONDS
 jobs=()
@@ -57,7 +57,7 @@ for variant in "${variants[@]}"; do
   mapfile -t flags < <(flags_for "$variant")
   ((${#flags[@]} > 0)) || exit 2
   mkdir -p "$out/$variant"
-  for source in fuzz/fuzz_attention.cpp tests/instances/*.cpp; do
+  for source in fuzz/fuzz_attention.cpp src/*.cpp tests/support/*.cpp; do
     object="$out/$variant/$(basename "$source" .cpp).o"
     case "$source" in
       fuzz/*) extra=(-fsanitize=fuzzer) ;;

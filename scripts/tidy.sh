@@ -5,9 +5,9 @@
 # count per check. Headers under include/attn/ are checked through them.
 #
 #   ./scripts/tidy.sh           # preset dev (configured first if needed)
-#   ./scripts/tidy.sh ci        # the tree that `scripts/test.sh ci` built
-#   ./scripts/tidy.sh ci --strict   # exit non-zero on any warning
-#   ATTN_TIDY_FILES="tests/test_init.cpp" ./scripts/tidy.sh ci   # only these files
+#   ./scripts/tidy.sh ci-asan   # a tree that `scripts/test.sh ci` built
+#   ./scripts/tidy.sh ci-asan --strict   # exit non-zero on any warning
+#   ATTN_TIDY_FILES="tests/test_init.cpp" ./scripts/tidy.sh ci-asan   # only these files
 #
 # Without --strict it fails only when clang-tidy itself errors (e.g. cannot parse a file)
 # and reports the warnings; with --strict (as CI runs it) any warning fails.
@@ -35,7 +35,7 @@ fi
 
 # The project's own sources (not the generated header checks in the build tree).
 mapfile -t files < <(grep -oE '"file": "[^"]+"' "$build_dir/compile_commands.json" |
-  cut -d'"' -f4 | grep -E "^$repo_root/(tests|examples|bench)/" | sort -u)
+  cut -d'"' -f4 | grep -E "^$repo_root/(src|tests|examples|bench)/" | sort -u)
 # ATTN_TIDY_FILES: only these files (repo-relative, space-separated), e.g. in CI.
 if [[ -n "${ATTN_TIDY_FILES:-}" ]]; then
   selected=()

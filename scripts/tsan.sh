@@ -5,8 +5,8 @@
 #
 #   ./scripts/tsan.sh            # clang++ (default); ATTN_TSAN_CXX=g++ for GCC
 #
-# The preset ci builds and runs the same test in its tree (attn_tests_tsan, ctest tsan_threads);
-# this script is the same thing alone.
+# The preset ci-tsan builds and runs the same test in its tree (attn_tests_tsan, ctest
+# tsan_threads, with tests/test_dispatch.cpp beside it); this script is the same thing alone.
 #
 # Built WITHOUT OpenMP: libgomp is not built with TSan, so its barriers look like races
 # (false positives). The attention code under test is the same; only the per-call OpenMP
@@ -24,7 +24,7 @@ cxx="${ATTN_TSAN_CXX:-clang++}"
 out="build/tsan"
 mkdir -p "$out"
 flags=(-std=c++17 -O1 -g -fsanitize=thread -fno-omit-frame-pointer -isystem /usr/include/eigen3
-  -I include -I tests -DATTN_TEST_NO_INSTANCES)
+  -I include -I tests)
 start=$SECONDS
 echo "== tsan: build $out/attn_tests_tsan with $cxx (no OpenMP) =="
 "$cxx" "${flags[@]}" -c tests/main.cpp -o "$out/main.o" &

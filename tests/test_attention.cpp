@@ -8,8 +8,6 @@
 
 #include <attn/attention.hpp>
 
-#include "support/instances.hpp"
-
 #include "support/fixtures.hpp"
 #include "support/isa_cases.hpp"
 #include "support/sdpa_case.hpp"

@@ -19,7 +19,6 @@
 
 #include "support/fixtures.hpp"
 #include "support/heads.hpp"
-#include "support/instances.hpp"
 #include "support/isa_cases.hpp"
 #include "support/masked_problem.hpp"
 #include "support/sdpa_case.hpp"

@@ -19,8 +19,6 @@
 #include <attn/kv_cache.hpp>
 #include <attn/multihead.hpp>
 
-#include "support/instances.hpp"
-
 #include "support/fixtures.hpp"
 #include "support/heads.hpp"
 #include "support/masked_problem.hpp"

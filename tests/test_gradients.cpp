@@ -18,8 +18,6 @@
 #include <attn/multihead.hpp>
 #include <attn/projection.hpp>
 
-#include "support/instances.hpp"
-
 #include "support/fixtures.hpp"
 
 using attn::Index;

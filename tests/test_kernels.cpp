@@ -15,8 +15,6 @@
 
 #include <attn/attention.hpp>
 
-#include "support/instances.hpp"
-
 #include "support/fixtures.hpp"
 #include "support/heads.hpp"
 #include "support/masked_problem.hpp"

@@ -16,8 +16,6 @@
 #include <attn/attention.hpp>
 #include <attn/linear_attention.hpp>
 
-#include "support/instances.hpp"
-
 #include "support/fixtures.hpp"
 
 using attn::Index;

@@ -14,8 +14,6 @@
 #include <attn/multihead.hpp>
 #include <attn/projection.hpp>
 
-#include "support/instances.hpp"
-
 #include "support/fixtures.hpp"
 #include "support/isa_cases.hpp"
 

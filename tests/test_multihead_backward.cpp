@@ -16,8 +16,6 @@
 #include <attn/multihead.hpp>
 #include <attn/rope.hpp>
 
-#include "support/instances.hpp"
-
 #include "support/fixtures.hpp"
 
 using attn::Index;

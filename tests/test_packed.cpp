@@ -24,8 +24,6 @@
 #include <attn/kv_cache.hpp>
 #include <attn/multihead.hpp>
 
-#include "support/instances.hpp"
-
 #include "support/heads.hpp"
 #include "support/isa_cases.hpp"
 #include "support/masked_problem.hpp"

@@ -20,8 +20,6 @@
 #include <attn/projection.hpp>
 #include <attn/score_modifiers.hpp>
 
-#include "support/instances.hpp"
-
 #include "support/heads.hpp"
 #include "support/masked_problem.hpp"
 

@@ -18,7 +18,6 @@
 #include <attn/projection.hpp>
 #include <attn/softmax.hpp>
 
-#include "support/instances.hpp"
 #include "support/isa_cases.hpp"
 
 using attn::Index;

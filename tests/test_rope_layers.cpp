@@ -16,7 +16,6 @@
 #include <attn/rope.hpp>
 
 #include "support/fixtures.hpp"
-#include "support/instances.hpp"
 #include "support/isa_cases.hpp"
 
 using attn::Index;

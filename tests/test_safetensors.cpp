@@ -25,8 +25,6 @@
 
 #include <attn/safetensors.hpp>
 
-#include "support/instances.hpp"
-
 using attn::DType;
 using attn::Index;
 using json = nlohmann::json;

@@ -12,10 +12,6 @@
 #include <attn/linear_attention.hpp>
 #include <attn/multihead.hpp>
 
-#ifndef ATTN_TEST_NO_INSTANCES  // the ThreadSanitizer build compiles what it calls
-#include "support/instances.hpp"
-#endif
-
 using attn::Index;
 
 namespace {

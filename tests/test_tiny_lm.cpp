@@ -13,8 +13,6 @@
 
 #include "../examples/tiny_lm/model.hpp"
 #include "support/fixtures.hpp"
-#include "support/instances.hpp"
-
 using attn::Index;
 using attn_test::json;
 using Catch::Matchers::Contains;

@@ -10,8 +10,6 @@
 
 #include "../examples/train_copy/model.hpp"
 #include "support/fixtures.hpp"
-#include "support/instances.hpp"
-
 TEST_CASE("train_copy: the C++ training follows PyTorch's losses step by step", "[train]") {
   const attn_test::json& fixture = attn_test::fixture("train_copy.json");
   const attn_test::json& c = fixture.at("config");

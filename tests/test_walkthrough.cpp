@@ -22,8 +22,6 @@
 
 #include <attn/attn.hpp>
 
-#include "support/instances.hpp"
-
 #include "../examples/numpy_random.hpp"
 
 namespace {

@@ -411,3 +411,8 @@ Matrix<typename DQ::Scalar> scaled_dot_product_attention(
 }
 
 }  // namespace attn
+
+#if defined(ATTN_COMPILED)  // compiled once in attn::compiled (attn/instances.hpp)
+#include "attn/instances.hpp"
+ATTN_ATTENTION_INSTANCES(ATTN_EXTERN_INSTANCE)
+#endif

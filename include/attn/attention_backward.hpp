@@ -389,3 +389,8 @@ VarlenGradients<T> scaled_dot_product_attention_varlen_backward(
 }
 
 }  // namespace attn
+
+#if defined(ATTN_COMPILED)  // compiled once in attn::compiled (attn/instances.hpp)
+#include "attn/instances.hpp"
+ATTN_BACKWARD_INSTANCES(ATTN_EXTERN_INSTANCE)
+#endif

@@ -401,3 +401,8 @@ class KVCache {
 };
 
 }  // namespace attn
+
+#if defined(ATTN_COMPILED)  // compiled once in attn::compiled (attn/instances.hpp)
+#include "attn/instances.hpp"
+ATTN_KV_CACHE_CLASSES(ATTN_EXTERN_CLASS)
+#endif

@@ -1391,3 +1391,9 @@ class LinearAttentionState {
 };
 
 }  // namespace attn
+
+#if defined(ATTN_COMPILED)  // compiled once in attn::compiled (attn/instances.hpp)
+#include "attn/instances.hpp"
+ATTN_LINEAR_ATTENTION_INSTANCES(ATTN_EXTERN_INSTANCE)
+ATTN_LINEAR_ATTENTION_CLASSES(ATTN_EXTERN_CLASS)
+#endif

@@ -1219,3 +1219,8 @@ class MultiHeadAttention {
 };
 
 }  // namespace attn
+
+#if defined(ATTN_COMPILED)  // compiled once in attn::compiled (attn/instances.hpp)
+#include "attn/instances.hpp"
+ATTN_MULTIHEAD_CLASSES(ATTN_EXTERN_CLASS)
+#endif

@@ -933,3 +933,8 @@ class QKVProjection {
 };
 
 }  // namespace attn
+
+#if defined(ATTN_COMPILED)  // compiled once in attn::compiled (attn/instances.hpp)
+#include "attn/instances.hpp"
+ATTN_PROJECTION_CLASSES(ATTN_EXTERN_CLASS)
+#endif

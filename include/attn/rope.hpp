@@ -486,3 +486,8 @@ class RotaryEmbedding {
 };
 
 }  // namespace attn
+
+#if defined(ATTN_COMPILED)  // compiled once in attn::compiled (attn/instances.hpp)
+#include "attn/instances.hpp"
+ATTN_ROPE_CLASSES(ATTN_EXTERN_CLASS)
+#endif

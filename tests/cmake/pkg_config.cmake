@@ -3,24 +3,34 @@
 #
 # Builds SOURCE the way a Makefile would, with nothing but what `pkg-config --cflags attn`
 # prints (attn.pc requires eigen3, whose flags come with it) and -std=c++17, then runs it.
+# With -DMODULE=attn-compiled: `pkg-config --cflags --libs attn-compiled` (attn::compiled).
 foreach(var PKG_CONFIG CXX PREFIX SOURCE OUTPUT)
   if(NOT ${var})
     message(FATAL_ERROR "pkg_config.cmake: ${var} is not set")
   endif()
 endforeach()
 
-set(ENV{PKG_CONFIG_PATH} "${PREFIX}/share/pkgconfig")
-execute_process(COMMAND "${PKG_CONFIG}" --modversion attn
+if(NOT MODULE)
+  set(MODULE attn)
+endif()
+file(GLOB lib_pkgconfig "${PREFIX}/lib*/pkgconfig")
+string(REPLACE ";" ":" lib_pkgconfig "${lib_pkgconfig}")
+set(ENV{PKG_CONFIG_PATH} "${PREFIX}/share/pkgconfig:${lib_pkgconfig}")
+execute_process(COMMAND "${PKG_CONFIG}" --modversion ${MODULE}
   OUTPUT_VARIABLE version OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE result)
 if(NOT result EQUAL 0)
-  message(FATAL_ERROR "pkg_config.cmake: pkg-config finds no attn under ${PREFIX}/share/pkgconfig")
+  message(FATAL_ERROR "pkg_config.cmake: pkg-config finds no ${MODULE} under ${PREFIX}")
 endif()
-execute_process(COMMAND "${PKG_CONFIG}" --cflags attn
+set(what --cflags)
+if(MODULE STREQUAL "attn-compiled")
+  set(what --cflags --libs)
+endif()
+execute_process(COMMAND "${PKG_CONFIG}" ${what} ${MODULE}
   OUTPUT_VARIABLE cflags OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE result)
 if(NOT result EQUAL 0)
-  message(FATAL_ERROR "pkg_config.cmake: pkg-config --cflags attn failed")
+  message(FATAL_ERROR "pkg_config.cmake: pkg-config ${what} ${MODULE} failed")
 endif()
-message(STATUS "pkg-config: attn ${version}, --cflags: ${cflags}")
+message(STATUS "pkg-config: ${MODULE} ${version}, ${what}: ${cflags}")
 separate_arguments(cflags UNIX_COMMAND "${cflags}")
 get_filename_component(expected_include "${PREFIX}/include" REALPATH)
 set(found_include OFF)
@@ -37,7 +47,7 @@ if(NOT found_include)
 endif()
 get_filename_component(output_dir "${OUTPUT}" DIRECTORY)
 file(MAKE_DIRECTORY "${output_dir}")
-execute_process(COMMAND "${CXX}" -std=c++17 ${cflags} "${SOURCE}" -o "${OUTPUT}"
+execute_process(COMMAND "${CXX}" -std=c++17 "${SOURCE}" ${cflags} -o "${OUTPUT}"
   RESULT_VARIABLE result)
 if(NOT result EQUAL 0)
   message(FATAL_ERROR "pkg_config.cmake: compiling ${SOURCE} with those flags failed")

@@ -139,7 +139,7 @@ Comparison compare(const std::vector<TA>& actual, const std::vector<TE>& expecte
   return compare(actual.data(), expected.data(), actual.size(), rtol);
 }
 
-// Compiled once, optimised, in tests/instances/fixtures.cpp: the comparisons of the MHA,
+// Compiled once, in tests/support/fixtures.cpp: the comparisons of the MHA,
 // gradient and kernel tests cover millions of elements.
 #define ATTN_TEST_COMPARE_INSTANCES(X, TA, TE) \
   X template Comparison compare<TA, TE>(const TA*, const TE*, std::size_t, double);

@@ -73,10 +73,8 @@ double max_abs_error(const std::vector<T>& actual, const std::vector<double>& ex
   return worst;
 }
 
-// The tests draw and convert tens of millions of numbers; at the test files' -O0 under the
-// sanitizers that was most of the decode tests' time. These instantiations are compiled once,
-// with the kernels' options, in tests/instances/support.cpp, and the test files only call
-// them: the same code, the same numbers.
+// The tests draw and convert tens of millions of numbers. These instantiations are compiled
+// once, in tests/support/helpers.cpp, and the test files only call them.
 #define ATTN_TEST_HEADS_INSTANCES(X, T)                                                   \
   X template struct Heads<T>;                                                             \
   X template Heads<T> random_heads<T>(Index, Index, Index, Index, std::mt19937&, double); \

@@ -309,7 +309,7 @@ double error_bound(double plain_error) {
   return 2 * plain_error + 32 * static_cast<double>(std::numeric_limits<T>::epsilon());
 }
 
-// Compiled once, optimised, in tests/instances/support.cpp (see heads.hpp).
+// Compiled once, in tests/support/helpers.cpp (see heads.hpp).
 #define ATTN_TEST_ERROR_INSTANCES(X, T)                              \
   X template std::vector<long double> exact<T>(const Heads<T>&);     \
   X template double max_error<T, long double>(const std::vector<T>&, \

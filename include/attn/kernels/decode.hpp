@@ -156,3 +156,8 @@ void run_decode(const KernelPlan& plan,
 }
 
 }  // namespace attn::detail
+
+#if defined(ATTN_COMPILED)  // compiled once in attn::compiled (attn/instances.hpp)
+#include "attn/instances.hpp"
+ATTN_DECODE_INSTANCES(ATTN_EXTERN_INSTANCE)
+#endif

@@ -162,3 +162,12 @@ void widen(Isa isa, const S* src, float* dst, Index n) {
 }
 
 }  // namespace attn::detail
+
+#if defined(ATTN_COMPILED)  // compiled once in attn::compiled (attn/instances.hpp)
+#include "attn/instances.hpp"
+ATTN_GENERIC_KERNEL_INSTANCES(ATTN_EXTERN_INSTANCE)
+#if ATTN_X86_DISPATCH
+ATTN_VECTOR_KERNEL_INSTANCES(ATTN_EXTERN_INSTANCE, attn::detail::avx2)
+ATTN_VECTOR_KERNEL_INSTANCES(ATTN_EXTERN_INSTANCE, attn::detail::avx512)
+#endif
+#endif

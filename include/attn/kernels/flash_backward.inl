@@ -138,6 +138,8 @@ void backward_key_tile(const HeadMatrix<const T>& k,  // (Lk, D)   the whole kv 
                       workspace.drop.data() + r * stride, dp + r * stride);
         }
       }
+      // a_transposed: the keys are the rows of the product and the query rows its depth
+      // NOLINTNEXTLINE(readability-suspicious-call-argument)
       add_product<true>(dropout.active() ? dp : s, stride, keys, dout_rows, dout_stride, rows,
                         value_dim, dv_tile, dv.outerStride());
       if (value_dim > 0) {
@@ -155,6 +157,7 @@ void backward_key_tile(const HeadMatrix<const T>& k,  // (Lk, D)   the whole kv 
         for (Index r = 0; r < rows; ++r)
           softcap_derivative(workspace.raw.data() + r * stride, width, *softcap, dp + r * stride);
       }
+      // NOLINTNEXTLINE(readability-suspicious-call-argument): transposed, as for dv
       add_product<true>(dp, stride, keys, q_rows, q_stride, rows, dim, dk_tile, dk.outerStride());
       add_product(dp, stride, rows, k_tile, k_stride, keys, dim, row_of(head.dq, i0),
                   head.dq.outerStride());

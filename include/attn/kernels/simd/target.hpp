@@ -12,6 +12,13 @@
 // linker keeps one copy of each inline function, and that copy must run on every CPU the
 // dispatcher (attn/cpu.hpp) sends to it.
 //
+// GCC also turns off floating-point contraction in the regions: it contracts a * b + c into
+// one FMA by default in C++ (-ffp-contract=fast), wherever inlining brings the two together,
+// so the same kernel could round differently in two translation units (in attn::compiled
+// and in a user's header-only unit, say). The kernels' FMAs are explicit intrinsics; the
+// rest rounds each operation, as clang's default (contraction within one expression only)
+// does too.
+//
 // Values of vector type never cross from a region to code outside it: the interface of the
 // region's kernels is pointers and scalars (a __m256 argument between functions of different
 // targets changes the calling convention).
@@ -40,13 +47,17 @@
 #define ATTN_END_TARGET _Pragma("clang attribute pop")
 #else
 #if defined(__AVX512F__)
-#define ATTN_BEGIN_TARGET_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")")
+#define ATTN_BEGIN_TARGET_AVX2                                          \
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")") \
+      _Pragma("GCC optimize(\"fp-contract=off\")")
 #else
-#define ATTN_BEGIN_TARGET_AVX2 \
-  _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c,no-avx512f\")")
+#define ATTN_BEGIN_TARGET_AVX2                                                     \
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c,no-avx512f\")") \
+      _Pragma("GCC optimize(\"fp-contract=off\")")
 #endif
-#define ATTN_BEGIN_TARGET_AVX512 \
-  _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx2,fma,f16c\")")
+#define ATTN_BEGIN_TARGET_AVX512                                                \
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx2,fma,f16c\")") \
+      _Pragma("GCC optimize(\"fp-contract=off\")")
 #define ATTN_END_TARGET _Pragma("GCC pop_options")
 #endif
 // clang-format on

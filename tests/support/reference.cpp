@@ -1,5 +1,4 @@
-// The loops of support/reference.hpp, compiled once (with the kernels' options, so
-// optimised in every build) for long double, double and float.
+// The loops of support/reference.hpp, compiled once for long double, double and float.
 #include "support/reference.hpp"
 
 namespace attn_test::reference {

@@ -1,6 +1,5 @@
 // The data helpers of support/heads.hpp and support/masked_problem.hpp (random heads, casts,
-// exact values, errors), compiled once with the kernels' options, so optimised in every
-// build: the tests run them on tens of millions of numbers.
+// exact values, errors), compiled once: the tests run them on tens of millions of numbers.
 #include "support/heads.hpp"
 #include "support/masked_problem.hpp"
 

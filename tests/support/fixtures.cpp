@@ -1,4 +1,4 @@
-// The fixture loading and the comparisons of support/fixtures.hpp, compiled once, optimised:
+// The fixture loading and the comparisons of support/fixtures.hpp, compiled once:
 // mha.json alone holds millions of numbers.
 #include <fstream>
 #include <map>
