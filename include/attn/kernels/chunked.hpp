@@ -93,11 +93,8 @@ void run_chunked(const KernelPlan& plan,
   for_each_item(
       plan.work_items, plan.parallel, [] { return Scratch(); },
       [&](Index item, Scratch& s) {
-        const Index head_item = item / q_tiles;  // b * Hq + h
-        const Index b = head_item / q_heads, h = head_item % q_heads;
-        const Index i0 = (q_tiles - 1 - item % q_tiles) * query_tile;
-        const Index rows = std::min(i0 + query_tile, q.rows(b)) - i0;
-        if (rows <= 0)  // past the end of a shorter sequence of a packed batch
+        const auto [b, h, i0, rows] = query_tile_item(item, q_tiles, query_tile, q);
+        if (rows <= 0)
           return;
         T* lse = logsumexp.head(b, h);
         chunked_attention_block<T>(rows_as<T, TQ>(plan.isa, q.head(b, h), i0, rows, s.q_rows),

@@ -10,7 +10,7 @@
 //   widening<S>     16-bit rows widened to float             (simd/tile_products.inl)
 //
 // and dispatch(isa, pick) is the only switch on Isa in the library: the callers below take
-// the instruction set from their plan (attn/plan.hpp, the only reader of active_isa()), so a
+// the instruction set from their plan (attn/plan.hpp, the only reader of the active set), so a
 // call never runs two instruction sets, whatever set_isa() does meanwhile on another thread.
 // The mods' tile loops (kernels/mod_loops.hpp) are compiled per instruction set for each
 // user's callable and picked by the same plan's isa. Every scalar but float has only the

@@ -7,6 +7,8 @@
 // on the calling thread: a parallel region costs more than they do.
 #pragma once
 
+#include <algorithm>
+
 #include "attn/config.hpp"
 
 namespace attn::detail {
@@ -27,6 +29,23 @@ void for_each_item(Index items, bool parallel, const MakeScratch& make_scratch, 
     for (Index item = 0; item < items; ++item)
       body(item, scratch);
   }
+}
+
+/// One work item of the query-tiled kernels (chunked, flash): query rows [i0, i0 + rows) of
+/// head h of batch entry b.
+struct QueryTileItem {
+  Index b, h, i0, rows;  ///< rows <= 0: past the end of a shorter sequence of a packed batch
+};
+
+/// Item `item` of heads * q_tiles items: (b, h) major, and within a head the query tiles last
+/// first, since under a causal mask the last tiles see the most keys and the dynamic schedule
+/// then hands out the longest items first. `q` gives each sequence's length (q.rows(b)).
+template <class Heads>
+QueryTileItem query_tile_item(Index item, Index q_tiles, Index query_tile, const Heads& q) {
+  const Index head_item = item / q_tiles;  // b * Hq + h
+  const Index b = head_item / q.heads, h = head_item % q.heads;
+  const Index i0 = (q_tiles - 1 - item % q_tiles) * query_tile;
+  return {b, h, i0, std::min(i0 + query_tile, q.rows(b)) - i0};
 }
 
 }  // namespace attn::detail
