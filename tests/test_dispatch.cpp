@@ -33,19 +33,13 @@ inline thread_local unsigned dispatched_isas = 0;
 #include <attn/projection.hpp>
 #include <attn/rope.hpp>
 
+#include "support/random_tensor.hpp"
+
 using attn::Index;
 
 namespace {
 
-template <class T>
-attn::Tensor<T, 4> random_tensor(Index b, Index h, Index l, Index d, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  attn::Tensor<T, 4> t(b, h, l, d);
-  for (Index n = 0; n < t.size(); ++n)
-    t.data()[n] = static_cast<T>(normal(rng));
-  return t;
-}
+using attn_test::random_tensor;
 
 unsigned count_isas(unsigned bits) {
   return static_cast<unsigned>(std::bitset<8>(bits).count());

@@ -19,24 +19,17 @@
 #include <attn/softmax.hpp>
 
 #include "support/isa_cases.hpp"
+#include "support/random_tensor.hpp"
 
 using attn::Index;
 using Catch::Matchers::Contains;
 
 namespace {
 
+using attn_test::random_tensor;
+
 constexpr attn::Algorithm all_algorithms[] = {attn::Algorithm::naive, attn::Algorithm::chunked,
                                               attn::Algorithm::flash};
-
-template <class T>
-attn::Tensor<T, 4> random_tensor(Index b, Index h, Index l, Index d, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<double> normal(0.0, 1.0);
-  attn::Tensor<T, 4> t(b, h, l, d);
-  for (Index n = 0; n < t.size(); ++n)
-    t.data()[n] = static_cast<T>(normal(rng));
-  return t;
-}
 
 template <class T>
 attn::Matrix<T> random_matrix(Index rows, Index cols, std::uint32_t seed) {

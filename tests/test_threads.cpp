@@ -12,21 +12,16 @@
 #include <attn/linear_attention.hpp>
 #include <attn/multihead.hpp>
 
+#include "support/random_tensor.hpp"
+
 using attn::Index;
 
 namespace {
 
+using attn_test::random_tensor;
+
 constexpr attn::Algorithm all_algorithms[] = {attn::Algorithm::naive, attn::Algorithm::chunked,
                                               attn::Algorithm::flash};
-
-attn::Tensor<float, 4> random_tensor(Index b, Index h, Index l, Index d, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<double> normal(0.0, 1.0);
-  attn::Tensor<float, 4> t(b, h, l, d);
-  for (Index n = 0; n < t.size(); ++n)
-    t.data()[n] = static_cast<float>(normal(rng));
-  return t;
-}
 
 bool same_bits(const float* a, const float* b, Index n) {
   return n == 0 || std::memcmp(a, b, static_cast<std::size_t>(n) * sizeof(float)) == 0;
