@@ -1,6 +1,6 @@
 // Benchmarks of attention: naive, chunked, flash (and flash_isa, flash with each instruction
-// set's products forced; flash_kv_half and flash_kv_bfloat16,
-// flash against 16-bit keys and values) and linear attention, beside Eigen's
+// set's products forced; flash_tiles, flash with the tiles given; flash_kv_half and
+// flash_kv_bfloat16, flash against 16-bit keys and values) and linear attention, beside Eigen's
 // plain GEMM at the same (Lq x D) x (D x Lk) shape and the FMA peak probe (common.hpp), all in one
 // binary so that every figure can be read as a fraction of this machine's measured peak.
 //
@@ -56,10 +56,14 @@ struct Inputs {
   attn::HeadsView<const float> view(const std::vector<float>& t) const {
     return attn::bhld_view(t.data(), Index(1), kHeads, length, dim);
   }
-  void run(attn::Algorithm algorithm, bool causal, std::vector<float>& result) const {
+  /// Tiles of 0: the plan's.
+  void run(attn::Algorithm algorithm, bool causal, std::vector<float>& result, Index query_tile = 0,
+           Index key_tile = 0) const {
     attn::AttentionOptions<float> options;
     options.algorithm = algorithm;
     options.causal = causal ? attn::Causal::top_left : attn::Causal::none;
+    options.query_tile = query_tile;
+    options.key_tile = key_tile;
     attn::scaled_dot_product_attention_into<float>(
         view(q), view(k), view(v), attn::bhld_view(result.data(), Index(1), kHeads, length, dim),
         options);
@@ -107,6 +111,29 @@ void BM_sdpa(benchmark::State& state, attn::Algorithm algorithm, std::size_t fir
   time_runs(
       state, [&] { inputs.run(algorithm, causal, inputs.out); }, inputs,
       attention_flops(length, dim, causal));
+}
+
+// Flash with the tiles given (0: the plan's), so that the plan's tile sizes can be compared
+// with others in one run: "flash_tiles/query_tile:64/key_tile:0/..." against query_tile:0.
+void BM_flash_tiles(benchmark::State& state) {
+  const Index query_tile = state.range(0), key_tile = state.range(1);
+  const Index length = state.range(2), dim = state.range(3);
+  const bool causal = state.range(4) != 0;
+  set_threads(static_cast<int>(state.range(5)));
+  Inputs inputs(length, dim);
+  std::vector<float> reference(inputs.out.size());
+  inputs.run(attn::Algorithm::naive, causal, reference);
+  const auto run = [&] {
+    inputs.run(attn::Algorithm::flash, causal, inputs.out, query_tile, key_tile);
+  };
+  run();
+  const float worst =
+      attn_bench::max_abs_diff(reference.data(), inputs.out.data(), reference.size());
+  if (!(worst < 1e-4f)) {
+    state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
+    return;
+  }
+  time_runs(state, run, inputs, attention_flops(length, dim, causal));
 }
 
 // Prefill against 16-bit keys and values: float q and out, k and v stored as S (half or
@@ -261,6 +288,17 @@ void register_all() {
   benchmark::RegisterBenchmark("flash_isa", BM_flash_isa)
       ->ArgNames({"isa", "L", "D", "causal", "threads"})
       ->ArgsProduct({{0, 1, 2}, lengths, dims, {0, 1}, thread_counts})
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("flash_tiles", BM_flash_tiles)
+      ->ArgNames({"query_tile", "key_tile", "L", "D", "causal", "threads"})
+      ->ArgsProduct(
+          {tiny ? std::vector<std::int64_t>{0, 64} : std::vector<std::int64_t>{0, 32, 64, 128},
+           {0},
+           lengths,
+           dims,
+           {0, 1},
+           thread_counts})
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
   add("flash_kv_half", BM_flash_kv16<Eigen::half>, true);

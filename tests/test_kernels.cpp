@@ -211,6 +211,33 @@ TEST_CASE("chunked and flash refuse to return weights; automatic falls back to n
                       "sizes must be >= 0 (0 = default)");
 }
 
+TEST_CASE("flash plans 64-row query tiles for causal attention, 128 otherwise", "[flash]") {
+  const attn::AttentionShape shape{1, 8, 8, 2048, 2048, 64, 64};
+  attn::AttentionOptions<float> options;
+  options.algorithm = attn::Algorithm::flash;
+  const auto planned = [&] { return attn::plan_attention<float>(shape, options); };
+  REQUIRE(planned().query_tile == 128);
+  REQUIRE(planned().key_tile == 256);
+  REQUIRE(planned().work_items == 8 * 16);
+  for (const attn::Causal causal : {attn::Causal::top_left, attn::Causal::bottom_right}) {
+    options.causal = causal;
+    REQUIRE(planned().query_tile == 64);
+    REQUIRE(planned().key_tile == 256);
+    REQUIRE(planned().work_items == 8 * 32);
+    REQUIRE(planned().describe().find("query tiles of 64, key tiles of 256") != std::string::npos);
+  }
+  // The tiles asked for win over the causal default.
+  options.query_tile = 96;
+  REQUIRE(planned().query_tile == 96);
+  REQUIRE(planned().work_items == 8 * 22);
+  // The low-level plan reads causality from the shape.
+  attn::AttentionShape causal_shape = shape;
+  causal_shape.causal = true;
+  REQUIRE(
+      attn::plan_attention<float>(causal_shape, attn::Algorithm::flash, 0, 0, false).query_tile ==
+      64);
+}
+
 namespace {
 
 template <class T>
