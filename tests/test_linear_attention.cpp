@@ -66,7 +66,7 @@ MatD quadratic_reference(const std::function<MatD(const MatD&)>& phi, const MatD
                          const MatD& v, attn::Causal causal, Index key_length, double eps) {
   MatD a = phi(q) * phi(k).transpose();  // (Lq, Lk)
   const Index lq = q.rows(), lk = k.rows();
-  const Index offset = causal == attn::Causal::top_left ? 0 : lk - lq;
+  const Index offset = causal == attn::Causal::top_left ? 0 : key_length - lq;  // per sequence
   for (Index i = 0; i < lq; ++i) {
     for (Index j = 0; j < lk; ++j) {
       if (j >= key_length || (causal != attn::Causal::none && j > i + offset))
@@ -256,6 +256,74 @@ TEMPLATE_TEST_CASE("chunk sizes around their boundaries match a quadratic refere
         options.causal = causal;
         options.chunk = chunk;
         REQUIRE_MATRIX_CLOSE(attn::linear_attention(q, k, v, options), expected, rtol);
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE(
+    "bottom_right with key_lengths measures each sequence's diagonal from its length",
+    "[linear][chunks]", float, double) {
+  using T = TestType;
+  // Closed form: equal scores (q = k = 0, phi = elu + 1 = 1), v_j = j + 1, Lq = 2, Lk = 4,
+  // key_lengths {4, 2}. Sequence 1's last query sits on its last real key (mask.hpp), so
+  // query 0 sees key 0 alone (1) and query 1 keys 0 and 1 (1.5); sequence 0 sees keys
+  // 0..2 (2) and 0..3 (2.5). The padded Lk would give sequence 1 1.5 and 1.5.
+  attn::Tensor<T, 4> q(2, 1, 2, 3), k(2, 1, 4, 3), v(2, 1, 4, 1);
+  q.setZero();
+  k.setZero();
+  for (Index b = 0; b < 2; ++b)
+    for (Index j = 0; j < 4; ++j)
+      v(b, 0, j, 0) = static_cast<T>(j + 1);
+  attn::LinearAttentionOptions<T> options;
+  options.causal = attn::Causal::bottom_right;
+  options.key_lengths = {4, 2};
+  options.eps = T(0);
+  const attn::Tensor<T, 4> out = attn::linear_attention(q, k, v, options);
+  REQUIRE(out(0, 0, 0, 0) == T(2));
+  REQUIRE(out(0, 0, 1, 0) == T(2.5));
+  REQUIRE(out(1, 0, 0, 0) == T(1));
+  REQUIRE(out(1, 0, 1, 0) == T(1.5));
+  // The same rule as scaled-dot-product attention, whose equal scores give the same average.
+  attn::AttentionOptions<T> sdpa;
+  sdpa.causal = attn::Causal::bottom_right;
+  sdpa.key_lengths = options.key_lengths;
+  const attn::Tensor<T, 4> softmax = attn::scaled_dot_product_attention(q, k, v, sdpa);
+  for (Index n = 0; n < out.size(); ++n)
+    REQUIRE(std::abs(softmax.data()[n] - out.data()[n]) <= 8 * std::numeric_limits<T>::epsilon());
+
+  // A ragged batch against the double reference per sequence: key lengths shorter and longer
+  // than Lq, several chunks, GQA.
+  const double rtol = std::is_same_v<T, float> ? 1e-5 : 1e-12;
+  const Index batch = 4, q_heads = 2, lq = 37, lk = 90, d = 8, dv = 5;
+  const std::vector<Index> key_lengths{90, 50, 37, 20};
+  attn::Tensor<T, 4> qr(batch, q_heads, lq, d), kr(batch, 1, lk, d), vr(batch, 1, lk, dv);
+  std::mt19937 rng(11u);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (attn::Tensor<T, 4>* t : {&qr, &kr, &vr})
+    for (Index n = 0; n < t->size(); ++n)
+      t->data()[n] = static_cast<T>(normal(rng));
+  const auto head = [](const attn::Tensor<T, 4>& t, Index b, Index h) {
+    MatD m(t.dimension(2), t.dimension(3));
+    for (Index i = 0; i < m.rows(); ++i)
+      for (Index c = 0; c < m.cols(); ++c)
+        m(i, c) = static_cast<double>(t(b, h, i, c));
+    return m;
+  };
+  for (const Index chunk : {0, 5, 64}) {
+    attn::LinearAttentionOptions<T> ragged;
+    ragged.causal = attn::Causal::bottom_right;
+    ragged.key_lengths = key_lengths;
+    ragged.chunk = chunk;
+    const attn::Tensor<T, 4> got = attn::linear_attention(qr, kr, vr, ragged);
+    for (Index b = 0; b < batch; ++b) {
+      for (Index h = 0; h < q_heads; ++h) {
+        INFO("chunk " << chunk << " sequence " << b << " head " << h);
+        const MatD expected = quadratic_reference(elu_plus_one_d, head(qr, b, h), head(kr, b, 0),
+                                                  head(vr, b, 0), attn::Causal::bottom_right,
+                                                  key_lengths[static_cast<std::size_t>(b)],
+                                                  static_cast<double>(ragged.eps));
+        REQUIRE_MATRIX_CLOSE(head(got, b, h).template cast<T>().eval(), expected, rtol);
       }
     }
   }

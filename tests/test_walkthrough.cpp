@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <fstream>
 #include <limits>
+#include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -348,4 +349,21 @@ TEST_CASE("a fully masked row: -1e9 gives uniform or unmasked weights, attn give
     INFO(rest.where);
     CHECK(rest.worst <= kRelative);
   }
+}
+
+TEST_CASE("attn/attn.hpp includes the mod gallery: gallery::causal() equals Causal::top_left",
+          "[walkthrough][mods]") {
+  attn::Tensor<double, 4> q(1, 2, 5, 4), k(1, 2, 7, 4), v(1, 2, 7, 3);
+  std::mt19937 rng(3u);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (attn::Tensor<double, 4>* t : {&q, &k, &v})
+    for (Index n = 0; n < t->size(); ++n)
+      t->data()[n] = normal(rng);
+  attn::AttentionOptions<double> by_mod, by_option;
+  by_mod.mask_mod = attn::MaskMod(attn::gallery::causal());
+  by_option.causal = attn::Causal::top_left;
+  const attn::Tensor<double, 4> a = attn::scaled_dot_product_attention(q, k, v, by_mod);
+  const attn::Tensor<double, 4> b = attn::scaled_dot_product_attention(q, k, v, by_option);
+  for (Index n = 0; n < a.size(); ++n)
+    REQUIRE(std::abs(a.data()[n] - b.data()[n]) <= 1e-15);
 }

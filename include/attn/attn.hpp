@@ -14,6 +14,7 @@
 #include "attn/kv_cache.hpp"
 #include "attn/linear_attention.hpp"
 #include "attn/mask.hpp"
+#include "attn/mod_gallery.hpp"
 #include "attn/mods.hpp"
 #include "attn/multihead.hpp"
 #include "attn/options.hpp"

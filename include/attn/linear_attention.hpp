@@ -6,9 +6,10 @@
 //                                                z = sum_j phi(k_j)         (M)
 //
 // the sums running over the keys j that query i may see: every key below key_lengths[b]
-// (non-causal), and also j <= i + offset (causal; offset as in mask.hpp: 0 for top_left,
-// Lk - Lq for bottom_right). That is softmax attention with exp(q . k) replaced by the kernel
-// phi(q) . phi(k): the weights phi(q_i) . phi(k_j) / sum_j' phi(q_i) . phi(k_j') are a proper
+// (non-causal), and also j <= i + offset (causal; offset per sequence as in mask.hpp: 0 for
+// top_left, key_lengths[b] - Lq for bottom_right, Lk - Lq without key_lengths). That is
+// softmax attention with exp(q . k) replaced by the kernel phi(q) . phi(k): the weights
+// phi(q_i) . phi(k_j) / sum_j' phi(q_i) . phi(k_j') are a proper
 // average over the keys as long as phi is positive.
 //
 //   q    (B, Hq,  Lq, D)   or one head (Lq, D)
@@ -553,7 +554,8 @@ void linear_attention_kv_head(const HeadsView<const T>& q, const HeadsView<const
   // Causal: query i sees keys j <= i + offset (and j < key_length). Chunk [i0, i0 + n) takes
   // the keys before i0 + offset from the state and the keys [i0 + offset, i0 + offset + n)
   // (its diagonal block) through one masked (n, n) product; then those keys join the state.
-  const Index offset = causal == Causal::top_left ? 0 : k.length - q_length;
+  // offset: mask.hpp's per-sequence rule, from this sequence's key length.
+  const Index offset = causal == Causal::top_left ? 0 : key_length - q_length;
   Index absorbed = 0;  // the state holds keys [0, absorbed)
   for (Index i0 = 0; i0 < q_length; i0 += chunk) {
     const Index n = std::min(chunk, q_length - i0);
@@ -980,7 +982,7 @@ void linear_backward_kv_head(const HeadsView<const T>& q, const HeadsView<const 
   } else {
     // Pass 1, the forward's chunk loop: query chunk [i0, i0 + n) sees the keys before
     // i0 + offset through S, z and its diagonal block [lo, hi) through the masked scores.
-    const Index offset = causal == Causal::top_left ? 0 : k.length - q_length;
+    const Index offset = causal == Causal::top_left ? 0 : key_length - q_length;  // as forward
     const auto bounds = [&](Index i0, Index n, Index& lo, Index& hi) {
       lo = std::clamp(i0 + offset, Index(0), key_length);
       hi = std::clamp(i0 + offset + n, Index(0), key_length);

@@ -21,7 +21,7 @@ library's prefix sums), and differentiated by autograd:
     loss    = sum(out * dout)      so that the gradients are dq, dk, dv
 
 Visibility and grouped-query heads as in generate_linear.py (j < key_lengths[b];
-causal: j <= i + off, off = 0 for top_left, Lk - Lq for bottom_right; query head
+causal: j <= i + off, off = 0 for top_left, key_lengths[b] - Lq for bottom_right; query head
 h reads kv head h // (Hq // Hkv)). Feature maps:
 
     elu_plus_one  F.elu(x) + 1
@@ -147,10 +147,10 @@ def linear_attention_torch(fm, q, k, v, causal, key_lengths, eps, chunk, params)
     B, hq, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     group = hq // hkv
-    off = 0 if causal == "top_left" else lk - lq
     outs = []
     for b in range(B):
         length = lk if key_lengths is None else key_lengths[b]
+        off = 0 if causal == "top_left" else length - lq  # per sequence, as mask.hpp
         heads = []
         for h in range(hq):
             g = h // group
@@ -277,6 +277,9 @@ def linear_attention_cases():
                                        causal="bottom_right", chunk=4))
     cases.append(linear_attention_case("elu_plus_one/top_left/Lq4_Lk9_chunk3", "elu_plus_one", 1,
                                        1, 1, 4, 9, 5, 4, causal="top_left", chunk=3))
+    cases.append(linear_attention_case("elu_plus_one/bottom_right/key_lengths_9_5_2/Lq4_chunk3",
+                                       "elu_plus_one", 3, 2, 1, 4, 9, 5, 4,
+                                       causal="bottom_right", key_lengths=[9, 5, 2], chunk=3))
     cases.append(linear_attention_case("relu/top_left/eps0.25/L7_chunk2", "relu", 1, 1, 1, 7, 7,
                                        4, 3, causal="top_left", chunk=2, eps=0.25))
     # FAVOR+ with the key shift raised after the first chunk, and a large eps (where the

@@ -19,8 +19,8 @@ The expected outputs are computed the QUADRATIC way, never by the linear
     out_i   = sum_j A[i, j] v_j / (sum_j A[i, j] + eps)
 
 Key j is visible to query i (batch b) iff j < key_lengths[b] (if given) and,
-when causal, j <= i + off with off = 0 for "top_left" and Lk - Lq for
-"bottom_right" (attn/mask.hpp's alignment). Grouped-query attention: query head
+when causal, j <= i + off with off = 0 for "top_left" and key_lengths[b] - Lq
+(Lk - Lq without key_lengths) for "bottom_right" (attn/mask.hpp's per-sequence rule). Grouped-query attention: query head
 h reads kv head h // (Hq // Hkv). Feature maps:
 
     elu_plus_one  x + 1 if x > 0 else exp(x)
@@ -94,7 +94,7 @@ def visible(i, j, lq, lk, causal, length):
         return False
     if causal == "none":
         return True
-    off = 0 if causal == "top_left" else lk - lq
+    off = 0 if causal == "top_left" else length - lq  # per sequence, as mask.hpp
     return j <= i + off
 
 
@@ -199,6 +199,10 @@ def build_cases():
                            8, 6, causal="bottom_right"))
     cases.append(make_case("elu_plus_one/top_left/Lq4_Lk9", "elu_plus_one", 1, 1, 1, 4, 9, 8, 6,
                            causal="top_left"))
+    # bottom_right with key_lengths: each sequence's diagonal from its own key length
+    # (Lq > key length for the last one, whose first rows see nothing).
+    cases.append(make_case("elu_plus_one/bottom_right/key_lengths_9_5_2/Lq4_Lk9", "elu_plus_one",
+                           3, 2, 1, 4, 9, 8, 6, causal="bottom_right", key_lengths=[9, 5, 2]))
     cases.append(make_case("elu_plus_one/top_left/Lq9_Lk6", "elu_plus_one", 1, 1, 1, 9, 6, 8, 6,
                            causal="top_left"))
     return cases
