@@ -30,6 +30,7 @@
 
 #include <Eigen/Core>
 
+#include "attn/checks.hpp"
 #include "attn/config.hpp"
 #include "attn/cpu.hpp"
 #include "attn/kernels/chunked.hpp"
@@ -45,42 +46,6 @@
 namespace attn {
 
 namespace detail {
-
-template <class TQ, class TKV>
-void check_attention_shapes(const char* function, const HeadsView<const TQ>& q,
-                            const HeadsView<const TKV>& k, const HeadsView<const TKV>& v) {
-  const auto shapes = [&] {
-    return "q is " + shape_string({q.batch, q.heads, q.length, q.dim}) + ", k is " +
-           shape_string({k.batch, k.heads, k.length, k.dim}) + ", v is " +
-           shape_string({v.batch, v.heads, v.length, v.dim});
-  };
-  if (q.batch != k.batch || q.batch != v.batch) {
-    throw_invalid_argument(function, shapes() + ": batch sizes differ");
-  }
-  if (q.dim != k.dim)
-    throw_invalid_argument(function, shapes() + ": q and k head dims differ");
-  if (q.dim < 1)
-    throw_invalid_argument(function, shapes() + ": the head dim must be positive");
-  if (k.heads != v.heads)
-    throw_invalid_argument(function, shapes() + ": k and v head counts differ");
-  if (k.length != v.length)
-    throw_invalid_argument(function, shapes() + ": k and v lengths differ");
-  if (k.heads == 0 ? q.heads != 0 : q.heads % k.heads != 0) {
-    throw_invalid_argument(function, shapes() + ": query heads (" + std::to_string(q.heads) +
-                                         ") must be a multiple of key/value heads (" +
-                                         std::to_string(k.heads) + ")");
-  }
-}
-
-template <class T>
-T resolve_scale(const char* function, const std::optional<T>& scale, Index dim) {
-  if (!scale)
-    return T(1) / std::sqrt(static_cast<T>(dim));
-  if (!std::isfinite(*scale)) {
-    throw_invalid_argument(function, "scale is " + std::to_string(*scale) + ": must be finite");
-  }
-  return *scale;
-}
 
 /// Runs the kernel the plan names.
 template <class TQ, class TKV, class TO>

@@ -49,7 +49,7 @@
 
 #include <Eigen/Core>
 
-#include "attn/attention.hpp"
+#include "attn/checks.hpp"
 #include "attn/config.hpp"
 #include "attn/kernels/item_loop.hpp"
 #include "attn/mask.hpp"

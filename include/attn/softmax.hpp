@@ -34,30 +34,6 @@ constexpr T flush_below() {
   return std::is_same_v<T, float> ? T(1e-37) : T(1e-300);
 }
 
-/// One step of the online softmax (FlashAttention's forward) for one row of a score tile:
-/// the n contiguous scores at `row` become p = exp(score - m') in place, with
-/// m' = max(m, max score); `max` and `sum` (the row's running m and l) are updated
-/// (l' = l * alpha + sum p) and the factor alpha = exp(m - m') that rescales the row's
-/// accumulator is returned (0 on the row's first visible tile, 1 while it has seen nothing:
-/// then p = 0). NaN scores propagate into p and the sums.
-template <class T>
-T online_softmax_step(T* row, Index n, T& max, T& sum) {
-  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-  Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>> p(row, n);
-  const T tile_max = p.template maxCoeff<Eigen::PropagateNaN>();
-  const T new_max = (tile_max > max || std::isnan(tile_max)) ? tile_max : max;
-  if (new_max == minus_inf) {  // nothing visible in this row so far
-    p.setZero();
-    return T(1);
-  }
-  p = (p - new_max).exp();
-  p -= p.min(flush_below<T>());             // exp(-inf) is not 0 in Eigen: see above
-  const T alpha = std::exp(max - new_max);  // 0 on the row's first visible tile
-  sum = sum * alpha + p.sum();
-  max = new_max;
-  return alpha;
-}
-
 /// Softmax of the n contiguous values at `row`, in place; returns their log-sum-exp.
 template <class T>
 T softmax_in_place(T* row, Index n) {

@@ -254,38 +254,6 @@ bool byte_ranges_overlap(const HeadsView<const A>& a, const HeadsView<const B>& 
   return a_first < a_last && b_first < b_last && a_first < b_last && b_first < a_last;
 }
 
-/// Throws unless `out` is exactly `q` (same scalar, memory and strides: computing in place
-/// is supported, each kernel reads a query row before it writes that row's output) or
-/// shares no element with q, k and v (an output overlapping k or v would change keys that
-/// later rows still read).
-template <class TQ, class TKV, class TO>
-void check_output_aliasing(const char* function, const HeadsView<const TQ>& q,
-                           const HeadsView<const TKV>& k, const HeadsView<const TKV>& v,
-                           const HeadsView<TO>& out_view) {
-  const HeadsView<const TO> out = out_view;
-  bool out_is_q = false;
-  if constexpr (std::is_same_v<TQ, TO>) {
-    out_is_q = out.data == q.data && out.batch_stride == q.batch_stride &&
-               out.head_stride == q.head_stride && out.row_stride == q.row_stride &&
-               out.dim == q.dim;
-  }
-  const auto overlap = [](const HeadsView<const TO>& x, const auto& y) {
-    if constexpr (std::is_same_v<decltype(x), decltype(y)>)
-      return views_may_overlap(x, y);  // knows disjoint column blocks of one buffer
-    else
-      return byte_ranges_overlap(x, y);
-  };
-  const char* overlapped = (!out_is_q && overlap(out, q)) ? "q"
-                           : overlap(out, k)              ? "k"
-                           : overlap(out, v)              ? "v"
-                                                          : nullptr;
-  if (overlapped != nullptr) {
-    throw_invalid_argument(function, std::string("out overlaps ") + overlapped +
-                                         ": out must be q itself (in place) or share no "
-                                         "element with q, k and v");
-  }
-}
-
 /// Read-only (B, H, L, D) view of anything rank4_tensor accepts.
 template <class X>
 HeadsView<const rank4_scalar_t<X>> as_heads_view(const X& x) {
