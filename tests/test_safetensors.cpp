@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include <attn/safetensors.hpp>
+#include <attn/safetensors_multihead.hpp>
 
 using attn::DType;
 using attn::Index;

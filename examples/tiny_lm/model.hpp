@@ -28,7 +28,7 @@
 #include <attn/kv_cache.hpp>
 #include <attn/multihead.hpp>
 #include <attn/rope.hpp>
-#include <attn/safetensors.hpp>
+#include <attn/safetensors_multihead.hpp>
 #include <attn/tensor.hpp>
 
 namespace tiny_lm {
