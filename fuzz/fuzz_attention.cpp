@@ -1122,7 +1122,6 @@ void check_linear(const Problem& p) {
     fail(p, "linear_attention threw on a valid problem: " + error);
   const double eps = static_cast<double>(std::numeric_limits<T>::epsilon());
   const Index group = p.q_heads / p.kv_heads;
-  const Index offset = p.causal == attn::Causal::top_left ? 0 : p.k_length - p.q_length;
   const auto phi = [](double x) {
     return x > 0 ? static_cast<R>(x) + 1 : std::exp(static_cast<R>(x));
   };
@@ -1130,6 +1129,8 @@ void check_linear(const Problem& p) {
   for (Index b = 0; b < p.batch; ++b) {
     const Index key_length =
         p.key_lengths.empty() ? p.k_length : p.key_lengths[static_cast<std::size_t>(b)];
+    // mask.hpp's per-sequence diagonal.
+    const Index offset = p.causal == attn::Causal::top_left ? 0 : key_length - p.q_length;
     for (Index h = 0; h < p.q_heads; ++h) {
       const Index g = h / group;
       double value_max = 0;

@@ -155,7 +155,7 @@ TEMPLATE_TEST_CASE("linear_attention_backward matches torch autograd",
                    "[gradients][linear_attention_backward]", float, double) {
   using T = TestType;
   const double rtol = gradient_tolerance<T>();
-  for (const json& c : ATTN_FIXTURE_CASES("gradients.json", "linear_attention", 34)) {
+  for (const json& c : ATTN_FIXTURE_CASES("gradients.json", "linear_attention", 35)) {
     SECTION(c.at("name").get<std::string>()) {
       const auto q = attn_test::tensor<T, 4>(c.at("q"));
       const auto k = attn_test::tensor<T, 4>(c.at("k"));
@@ -198,7 +198,7 @@ TEMPLATE_TEST_CASE("linear_attention_backward on one head as matrices",
   using T = TestType;
   const double rtol = gradient_tolerance<T>();
   int heads = 0;
-  for (const json& c : ATTN_FIXTURE_CASES("gradients.json", "linear_attention", 34)) {
+  for (const json& c : ATTN_FIXTURE_CASES("gradients.json", "linear_attention", 35)) {
     const auto q = attn_test::tensor<T, 4>(c.at("q"));
     if (q.dimension(0) != 1 || q.dimension(1) != 1)
       continue;

@@ -113,7 +113,7 @@ TEMPLATE_TEST_CASE("linear attention matches the NumPy quadratic reference", "[l
                    double) {
   using T = TestType;
   const double rtol = attn_test::tolerance<T>();
-  for (const json& c : ATTN_FIXTURE_CASES("linear.json", "cases", 16)) {
+  for (const json& c : ATTN_FIXTURE_CASES("linear.json", "cases", 17)) {
     SECTION(c.at("name").get<std::string>()) {
       LinearCase<T> fx(c);
       // Chunks of 1, 2, 3 and the default: every boundary position of these short cases.

@@ -11,8 +11,7 @@
 #include "attn/config.hpp"
 #include "attn/tensor.hpp"
 
-namespace attn {
-namespace detail {
+namespace attn::detail {
 
 /// Throws unless q (B, Hq, Lq, D), k (B, Hkv, Lk, D) and v (B, Hkv, Lk, Dv) agree: one batch,
 /// one head dim of q and k (at least 1), k and v alike, Hq a multiple of Hkv.
@@ -85,5 +84,4 @@ void check_output_aliasing(const char* function, const HeadsView<const TQ>& q,
   }
 }
 
-}  // namespace detail
-}  // namespace attn
+}  // namespace attn::detail
