@@ -9,7 +9,7 @@
 //                                mask_mod without a block mask (every tile evaluated)
 //   document/<form>/docs:<k>     T = 8192, H = 2, k equal documents. form 0: a dense (T, T)
 //                                keep-mask; 1: the gallery's document mask_mod with a
-//                                BlockMask; 2: packed sequences (varlen), for comparison
+//                                BlockMask; 2: packed sequences (packed_view()), for comparison
 //   bias/<form>/L:<L>            H = 8. form 0: no mod; 1: a score_mod adding a per-head
 //                                table bias by relative position (T5's, 32 buckets);
 //                                2: ALiBi as a score_mod; 3: the option alibi_slopes
@@ -125,13 +125,13 @@ void BM_document(benchmark::State& state) {
     std::vector<Index> offsets;
     for (Index d = 0; d <= documents; ++d)
       offsets.push_back(d * document_length);
-    const auto in = [&](const std::vector<float>& x) {
-      return attn::blhd_view(x.data(), 1, length, p.heads, dim);
+    const auto in = [&](const std::vector<float>& x) {  // (T, H, D) as a packed view
+      return attn::packed_view(attn::blhd_view(x.data(), 1, length, p.heads, dim), offsets);
     };
+    const auto out =
+        attn::packed_view(attn::blhd_view(p.out.data(), 1, length, p.heads, dim), offsets);
     const auto run = [&] {
-      attn::scaled_dot_product_attention_varlen_into<float, float, float>(
-          in(p.q), in(p.k), in(p.v), attn::blhd_view(p.out.data(), 1, length, p.heads, dim),
-          offsets, offsets, options);
+      attn::scaled_dot_product_attention_into<float>(in(p.q), in(p.k), in(p.v), out, options);
     };
     run();
     for (auto _ : state) {

@@ -5,16 +5,15 @@
 //
 // Families (ratios are read between rows of one run):
 //   documents/<form>/k:<k>        the same k-document problem at T = 8192 as
-//                                 form 0: one packed call
-//                                 (scaled_dot_product_attention_varlen_into) form 1: one call with
-//                                 a dense (T, T) keep-mask of the
+//                                 form 0: one packed call (scaled_dot_product_attention_into
+//                                         on packed_view()s)
+//                                 form 1: one call with a dense (T, T) keep-mask of the
 //                                         documents and Causal::top_left (what attn offered
 //                                         before: T^2 bytes, every tile on the diagonal band
 //                                         computed and masked element by element)
 //                                 form 2: k separate calls, one per document
 //   documents_backward/<form>/k:<k>  the backward of the same problem:
-//                                 form 0: one packed call
-//                                 (scaled_dot_product_attention_varlen_backward_into)
+//                                 form 0: one packed call (the backward on packed_view()s)
 //                                 form 2: k separate backward calls, one per document
 //   kv_ragged/<form>/Lq:<Lq>      KVCache::attend over B = 8 sequences of 100 .. 4000 tokens
 //                                 (Hq = 8, Hkv = 2, D = 128), 2 threads:
@@ -46,6 +45,21 @@ using attn::Index;
 using attn_bench::set_threads;
 using attn_bench::smoke;
 
+/// cu_seqlens of `documents` documents of `per_document` tokens each.
+std::vector<Index> document_offsets(Index documents, Index per_document) {
+  std::vector<Index> offsets{0};
+  for (Index d = 0; d < documents; ++d)
+    offsets.push_back(offsets.back() + per_document);
+  return offsets;
+}
+
+/// (T, H, D) tokens as the packed view of the documents `offsets` describes (const vectors
+/// give views of const float).
+template <class Vector>
+auto packed_tokens(Vector& x, Index heads, Index dim, const std::vector<Index>& offsets) {
+  return attn::packed_view(attn::blhd_view(x.data(), 1, offsets.back(), heads, dim), offsets);
+}
+
 enum class DocumentForm : std::int64_t { packed = 0, dense_keep_mask = 1, per_document = 2 };
 
 void BM_documents(benchmark::State& state) {
@@ -59,17 +73,15 @@ void BM_documents(benchmark::State& state) {
   attn_bench::fill_normal(q, 1u);
   attn_bench::fill_normal(k, 2u);
   attn_bench::fill_normal(v, 3u);
-  std::vector<Index> offsets{0};
-  for (Index d = 0; d < documents; ++d)
-    offsets.push_back(offsets.back() + per_document);
+  const std::vector<Index> offsets = document_offsets(documents, per_document);
   const auto all = [&](const std::vector<float>& x) {
     return attn::blhd_view(x.data(), 1, tokens, heads, dim);
   };
   attn::AttentionOptions<float> options;
   options.causal = attn::Causal::bottom_right;  // within each document
-  attn::scaled_dot_product_attention_varlen_into<float>(
-      all(q), all(k), all(v), attn::blhd_view(expected.data(), 1, tokens, heads, dim), offsets,
-      offsets, options);
+  const auto packed = [&](auto& x) { return packed_tokens(x, heads, dim, offsets); };
+  attn::scaled_dot_product_attention_into<float>(packed(q), packed(k), packed(v), packed(expected),
+                                                 options);
 
   attn::Tensor<bool, 4> keep;  // (1, 1, T, T): same document
   attn::AttentionOptions<float> dense;
@@ -85,8 +97,8 @@ void BM_documents(benchmark::State& state) {
     const auto out_view = attn::blhd_view(out.data(), 1, tokens, heads, dim);
     switch (form) {
       case DocumentForm::packed:
-        attn::scaled_dot_product_attention_varlen_into<float>(all(q), all(k), all(v), out_view,
-                                                              offsets, offsets, options);
+        attn::scaled_dot_product_attention_into<float>(packed(q), packed(k), packed(v), packed(out),
+                                                       options);
         break;
       case DocumentForm::dense_keep_mask:
         attn::scaled_dot_product_attention_into<float>(all(q), all(k), all(v), out_view, dense);
@@ -121,7 +133,7 @@ void BM_documents(benchmark::State& state) {
 }
 
 void BM_documents_backward(benchmark::State& state) {
-  const bool packed = state.range(0) == 0;
+  const bool one_packed_call = state.range(0) == 0;
   const Index documents = state.range(1);
   const Index tokens = smoke() ? 512 : 8192, heads = 4, dim = 64;
   const Index per_document = tokens / documents;
@@ -134,15 +146,7 @@ void BM_documents_backward(benchmark::State& state) {
   attn_bench::fill_normal(k, 2u);
   attn_bench::fill_normal(v, 3u);
   attn_bench::fill_normal(dout, 4u);
-  std::vector<Index> offsets{0};
-  for (Index d = 0; d < documents; ++d)
-    offsets.push_back(offsets.back() + per_document);
-  const auto all = [&](const std::vector<float>& x) {
-    return attn::blhd_view(x.data(), 1, tokens, heads, dim);
-  };
-  const auto all_out = [&](std::vector<float>& x) {
-    return attn::blhd_view(x.data(), 1, tokens, heads, dim);
-  };
+  const std::vector<Index> offsets = document_offsets(documents, per_document);
   // Document d's rows of a (T, H, D) tensor, and its (1, H, n) log-sum-exp.
   const auto part = [&](auto* data, Index d) {
     return attn::blhd_view(data + d * per_document * heads * dim, 1, per_document, heads, dim);
@@ -150,8 +154,9 @@ void BM_documents_backward(benchmark::State& state) {
   const auto cpart = [&](const std::vector<float>& x, Index d) { return part(x.data(), d); };
   attn::AttentionOptions<float> options;
   options.causal = attn::Causal::bottom_right;  // within each document
-  attn::scaled_dot_product_attention_varlen_into<float>(all(q), all(k), all(v), all_out(out),
-                                                        offsets, offsets, options, lse.data());
+  const auto packed = [&](auto& x) { return packed_tokens(x, heads, dim, offsets); };
+  attn::scaled_dot_product_attention_into<float>(packed(q), packed(k), packed(v), packed(out),
+                                                 options, nullptr, lse.data());
   for (Index d = 0; d < documents; ++d) {  // the per-document forward's own log-sum-exp
     std::vector<float> scratch(static_cast<std::size_t>(per_document * heads * dim));
     attn::scaled_dot_product_attention_into<float>(
@@ -162,9 +167,9 @@ void BM_documents_backward(benchmark::State& state) {
   const auto run = [&](std::vector<float>& gq, std::vector<float>& gk, std::vector<float>& gv,
                        bool as_packed) {
     if (as_packed) {
-      attn::scaled_dot_product_attention_varlen_backward_into<float>(
-          all(q), all(k), all(v), all(out), lse.data(), all(dout), all_out(gq), all_out(gk),
-          all_out(gv), offsets, offsets, options);
+      attn::scaled_dot_product_attention_backward_into<float>(
+          packed(q), packed(k), packed(v), packed(out), lse.data(), packed(dout), packed(gq),
+          packed(gk), packed(gv), options);
       return;
     }
     for (Index d = 0; d < documents; ++d) {
@@ -175,7 +180,7 @@ void BM_documents_backward(benchmark::State& state) {
     }
   };
   run(expected_dq, expected_dk, expected_dv, false);
-  run(dq, dk, dv, packed);
+  run(dq, dk, dv, one_packed_call);
   const float error = std::max({attn_bench::max_abs_diff(dq.data(), expected_dq.data(), size),
                                 attn_bench::max_abs_diff(dk.data(), expected_dk.data(), size),
                                 attn_bench::max_abs_diff(dv.data(), expected_dv.data(), size)});
@@ -185,7 +190,7 @@ void BM_documents_backward(benchmark::State& state) {
     return;
   }
   for (auto _ : state) {
-    run(dq, dk, dv, packed);
+    run(dq, dk, dv, one_packed_call);
     benchmark::DoNotOptimize(dq.data());
   }
   const double pairs = static_cast<double>(documents) * static_cast<double>(per_document) *

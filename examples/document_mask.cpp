@@ -7,8 +7,8 @@
 // (T, T) keep-mask would take 1 GiB. Prints the block classes, the time of building them and
 // of the attention, and the peak extra memory (the growth of the resident set, getrusage,
 // after the inputs are allocated and touched); checks the result against the same documents
-// as packed sequences (scaled_dot_product_attention_varlen_into, causal). Exits non-zero if
-// they differ by more than 1e-5 or the peak extra memory reaches 16 MiB.
+// as packed sequences (scaled_dot_product_attention_into on packed_view()s, causal). Exits
+// non-zero if they differ by more than 1e-5 or the peak extra memory reaches 16 MiB.
 // ATTN_DOCUMENT_MASK_TOKENS runs another T (the sanitizer build uses 4096).
 #include <sys/resource.h>
 
@@ -87,12 +87,13 @@ int main() {
   // consecutive.
   attn::AttentionOptions<float> packed;
   packed.causal = attn::Causal::top_left;
-  const auto tokens_view = [&](const std::vector<float>& x) {
-    return attn::blhd_view(x.data(), Index(1), tokens, Index(1), dim);
+  const auto tokens_view = [&](const std::vector<float>& x) {  // (T, 1, D), packed
+    return attn::packed_view(attn::blhd_view(x.data(), Index(1), tokens, Index(1), dim), offsets);
   };
-  attn::scaled_dot_product_attention_varlen_into<float, float, float>(
+  attn::scaled_dot_product_attention_into<float>(
       tokens_view(q), tokens_view(k), tokens_view(v),
-      attn::blhd_view(packed_out.data(), Index(1), tokens, Index(1), dim), offsets, offsets,
+      attn::packed_view(attn::blhd_view(packed_out.data(), Index(1), tokens, Index(1), dim),
+                        offsets),
       packed);
   float difference = 0.0f;
   for (std::size_t x = 0; x < n; ++x)

@@ -10,8 +10,8 @@
 //   and +inf in the bias, ALiBi, softcap, learned sinks), scale, tile sizes; values uniform in
 //   [-2, 2] with a sprinkling of large values (up to 2^20) and of NaN; or, for some inputs,
 //   one invalid argument. Without a keep-mask or bias, some inputs also run every kernel
-//   through the packed entry point (scaled_dot_product_attention_varlen_into) on the same
-//   sequences, checked by the same rules.
+//   as packed sequences (packed_view(), through scaled_dot_product_attention_into) on the
+//   same sequences, checked by the same rules.
 //
 //   Mods (attn/mods.hpp; header bit 32), with any of the above:
 //   - a mask_mod looking up a (B or 1, Hq or 1, Lq, Lk) table made of blocks each all
@@ -767,12 +767,16 @@ struct Typed {
     set_mods(p, longest_q, longest_k, packed_options);
     packed.options = packed_options;
     try {
-      attn::scaled_dot_product_attention_varlen_into<S>(
-          attn::blhd_view<const S>(qp.data(), 1, cu_q.back(), p.q_heads, p.dim),
-          attn::blhd_view<const S>(kp.data(), 1, cu_k.back(), p.kv_heads, p.dim),
-          attn::blhd_view<const S>(vp.data(), 1, cu_k.back(), p.kv_heads, p.value_dim),
-          attn::blhd_view<S>(op.data(), 1, cu_q.back(), p.q_heads, p.value_dim), cu_q, cu_k,
-          packed_options, lp.data());
+      attn::scaled_dot_product_attention_into<S>(
+          attn::packed_view(attn::blhd_view<const S>(qp.data(), 1, cu_q.back(), p.q_heads, p.dim),
+                            cu_q),
+          attn::packed_view(attn::blhd_view<const S>(kp.data(), 1, cu_k.back(), p.kv_heads, p.dim),
+                            cu_k),
+          attn::packed_view(
+              attn::blhd_view<const S>(vp.data(), 1, cu_k.back(), p.kv_heads, p.value_dim), cu_k),
+          attn::packed_view(attn::blhd_view<S>(op.data(), 1, cu_q.back(), p.q_heads, p.value_dim),
+                            cu_q),
+          packed_options, nullptr, lp.data());
     } catch (const std::invalid_argument& e) {
       return std::string("invalid_argument: ") + e.what();
     } catch (const std::exception& e) {
@@ -1003,9 +1007,7 @@ void check_attention(const Problem& p) {
         packed ? typed.run_packed(p, kernel.algorithm) : typed.run(p, kernel.algorithm);
     const std::string& name = kernel.name;
     if (p.invalid != Invalid::none) {
-      const std::string expected = packed
-                                       ? "invalid_argument: scaled_dot_product_attention_varlen: "
-                                       : "invalid_argument: scaled_dot_product_attention: ";
+      const std::string expected = "invalid_argument: scaled_dot_product_attention: ";
       if (error.rfind(expected, 0) != 0)
         fail(p, name + " did not throw std::invalid_argument: '" + error + "'");
       std::string& first = packed ? first_packed_error : first_error;
@@ -1192,22 +1194,25 @@ void check_packed_backward(const Problem& p, Typed<T>& typed, const std::vector<
                                      pack_tokens(dk, x.cu_k, p.kv_heads, p.k_length, p.dim),
                                      pack_tokens(dv, x.cu_k, p.kv_heads, p.k_length, p.value_dim),
                                      dsinks};
-  const auto tokens = [](const std::vector<T>& v, Index t, Index h, Index d) {
-    return attn::blhd_view(v.data(), 1, t, h, d);
+  const auto q_side = [&](const std::vector<T>& v, Index h, Index d) {  // (Tq, h, d), packed
+    return attn::packed_view(attn::blhd_view(v.data(), 1, tq, h, d), x.cu_q);
+  };
+  const auto k_side = [&](const std::vector<T>& v, Index h, Index d) {  // (Tk, h, d), packed
+    return attn::packed_view(attn::blhd_view(v.data(), 1, tk, h, d), x.cu_k);
   };
   const auto run = [&](attn::Algorithm algorithm, const std::string& name) {
     std::vector<T> g[4] = {std::vector<T>(x.q.size()), std::vector<T>(x.k.size()),
                            std::vector<T>(x.v.size()), std::vector<T>(p.sinks.size())};
     attn::AttentionOptions<T> options = x.options;
     options.algorithm = algorithm;
-    attn::scaled_dot_product_attention_varlen_backward_into<T>(
-        tokens(x.q, tq, p.q_heads, p.dim), tokens(x.k, tk, p.kv_heads, p.dim),
-        tokens(x.v, tk, p.kv_heads, p.value_dim), tokens(x.out, tq, p.q_heads, p.value_dim),
-        x.lse.data(), tokens(dout_tokens, tq, p.q_heads, p.value_dim),
-        attn::blhd_view(g[0].data(), 1, tq, p.q_heads, p.dim),
-        attn::blhd_view(g[1].data(), 1, tk, p.kv_heads, p.dim),
-        attn::blhd_view(g[2].data(), 1, tk, p.kv_heads, p.value_dim), x.cu_q, x.cu_k, options,
-        g[3].empty() ? nullptr : g[3].data());
+    attn::scaled_dot_product_attention_backward_into<T>(
+        q_side(x.q, p.q_heads, p.dim), k_side(x.k, p.kv_heads, p.dim),
+        k_side(x.v, p.kv_heads, p.value_dim), q_side(x.out, p.q_heads, p.value_dim), x.lse.data(),
+        q_side(dout_tokens, p.q_heads, p.value_dim),
+        attn::packed_view(attn::blhd_view(g[0].data(), 1, tq, p.q_heads, p.dim), x.cu_q),
+        attn::packed_view(attn::blhd_view(g[1].data(), 1, tk, p.kv_heads, p.dim), x.cu_k),
+        attn::packed_view(attn::blhd_view(g[2].data(), 1, tk, p.kv_heads, p.value_dim), x.cu_k),
+        options, nullptr, g[3].empty() ? nullptr : g[3].data());
     const char* names[] = {"dq", "dk", "dv", "dsinks"};
     for (int n = 0; n < 4; ++n) {
       const std::vector<T>&a = g[n], &e = expected[n];

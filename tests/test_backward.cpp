@@ -263,7 +263,7 @@ void sweep_against_reference() {
     attn_test::reference::Problem dropped =
         attn_test::masked_problem(2, 2, 2, 70, 90, 16, 16, kind, rng);
     dropped.dropout_p = 0.5L;
-    dropped.dropout_seed = 0xFFFFFFFFFFull + static_cast<std::uint64_t>(kind);
+    dropped.dropout_seed = std::uint64_t{0xFFFFFFFFFF} + static_cast<std::uint64_t>(kind);
     check_against_reference<T>(dropped, kind, rng, 32, 16);
   }
 }
@@ -283,8 +283,8 @@ std::vector<V> pack_rows(const std::vector<V>& padded, Index heads, Index length
   return tokens;
 }
 
-/// Packed sequences (scaled_dot_product_attention_varlen_backward_into) against the long
-/// double reference of the same sequences padded with query and key lengths: the options of
+/// Packed sequences (packed views through scaled_dot_product_attention_backward_into) against the
+/// long double reference of the same sequences padded with query and key lengths: the options of
 /// the packed forward, each within its sequence (dropout and a mask_mod that reads b see the
 /// sequence's index); each gradient's error at most twice the plain loops'.
 template <class T>
@@ -355,11 +355,13 @@ void packed_against_reference() {
     const std::vector<T> qt = pack_q(r.q.data, p.dim), kt = pack_k(r.k.data, p.dim),
                          vt = pack_k(r.v.data, p.value_dim), dt = pack_q(r.dout.data, p.value_dim);
     const Index tq = cu_q.back(), tk = cu_k.back();
-    const auto cview = [](const std::vector<T>& x, Index t, Index h, Index d) {
-      return attn::blhd_view(x.data(), 1, t, h, d);
+    const auto cview = [](const std::vector<T>& x, Index t, Index h, Index d,
+                          const std::vector<Index>& cu) {
+      return attn::packed_view(attn::blhd_view(x.data(), 1, t, h, d), cu);
     };
-    const auto view = [](std::vector<T>& x, Index t, Index h, Index d) {
-      return attn::blhd_view(x.data(), 1, t, h, d);
+    const auto view = [](std::vector<T>& x, Index t, Index h, Index d,
+                         const std::vector<Index>& cu) {
+      return attn::packed_view(attn::blhd_view(x.data(), 1, t, h, d), cu);
     };
     attn_test::AttnOptions<T> o(p);
     o.options.key_lengths.clear();
@@ -374,19 +376,20 @@ void packed_against_reference() {
       o.options.key_tile = run.key_tile;
       std::vector<T> out(static_cast<std::size_t>(tq * p.q_heads * p.value_dim)),
           lse(static_cast<std::size_t>(p.q_heads * tq));
-      attn::scaled_dot_product_attention_varlen_into<T>(
-          cview(qt, tq, p.q_heads, p.dim), cview(kt, tk, p.kv_heads, p.dim),
-          cview(vt, tk, p.kv_heads, p.value_dim), view(out, tq, p.q_heads, p.value_dim), cu_q, cu_k,
-          o.options, lse.data());
+      attn::scaled_dot_product_attention_into<T>(
+          cview(qt, tq, p.q_heads, p.dim, cu_q), cview(kt, tk, p.kv_heads, p.dim, cu_k),
+          cview(vt, tk, p.kv_heads, p.value_dim, cu_k), view(out, tq, p.q_heads, p.value_dim, cu_q),
+          o.options, nullptr, lse.data());
       check_within_plain_bound<T>("out", out, pack_q(r.forward_truth.out, p.value_dim),
                                   pack_q(r.forward_plain.out, p.value_dim));
       std::vector<T> dq(qt.size()), dk(kt.size()), dv(vt.size()), dsinks(p.sinks.size());
-      attn::scaled_dot_product_attention_varlen_backward_into<T>(
-          cview(qt, tq, p.q_heads, p.dim), cview(kt, tk, p.kv_heads, p.dim),
-          cview(vt, tk, p.kv_heads, p.value_dim), cview(out, tq, p.q_heads, p.value_dim),
-          lse.data(), cview(dt, tq, p.q_heads, p.value_dim), view(dq, tq, p.q_heads, p.dim),
-          view(dk, tk, p.kv_heads, p.dim), view(dv, tk, p.kv_heads, p.value_dim), cu_q, cu_k,
-          o.options, p.sinks.empty() ? nullptr : dsinks.data());
+      attn::scaled_dot_product_attention_backward_into<T>(
+          cview(qt, tq, p.q_heads, p.dim, cu_q), cview(kt, tk, p.kv_heads, p.dim, cu_k),
+          cview(vt, tk, p.kv_heads, p.value_dim, cu_k),
+          cview(out, tq, p.q_heads, p.value_dim, cu_q), lse.data(),
+          cview(dt, tq, p.q_heads, p.value_dim, cu_q), view(dq, tq, p.q_heads, p.dim, cu_q),
+          view(dk, tk, p.kv_heads, p.dim, cu_k), view(dv, tk, p.kv_heads, p.value_dim, cu_k),
+          o.options, nullptr, p.sinks.empty() ? nullptr : dsinks.data());
       check_within_plain_bound<T>("dq", dq, pack_q(truth.dq, p.dim), pack_q(plain.dq, p.dim));
       check_within_plain_bound<T>("dk", dk, pack_k(truth.dk, p.dim), pack_k(plain.dk, p.dim));
       check_within_plain_bound<T>("dv", dv, pack_k(truth.dv, p.value_dim),
@@ -730,16 +733,14 @@ TEST_CASE("the backward rejects bad shapes and options by name", "[backward][err
                       prefix + "dbias was requested but options.bias is not given");
   REQUIRE_THROWS_WITH(call(view(dq), view(dk), view(dv), lse.data(), {}, nullptr, scratch),
                       prefix + "dsinks was requested but options.sinks is not given");
-  std::vector<float> offsets_storage;
   const std::vector<Index> offsets = {0, 3};
-  const attn::HeadsView<const float> packed = attn::detail::packed_view(cview(q), offsets);
+  const attn::HeadsView<const float> packed = attn::packed_view(cview(q), offsets);
   REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_backward_into<float>(
                           packed, cview(k), cview(v), cview(out), lse.data(), cview(dout), view(dq),
                           view(dk), view(dv)),
                       prefix +
-                          "packed views (varlen) go to "
-                          "scaled_dot_product_attention_varlen_backward_into, with the sequences' "
-                          "offsets");
+                          "q is a packed view but out is not: pass packed views (packed_view()) "
+                          "for all tensors or for none");
 }
 
 TEST_CASE("the packed backward rejects bad tokens, offsets and options by name",
@@ -750,77 +751,66 @@ TEST_CASE("the packed backward rejects bad tokens, offsets and options by name",
     t->setRandom();
   attn::Tensor<float, 2> lse(2, 5);
   lse.setZero();
-  const std::vector<Index> cu_q{0, 2, 5}, cu_k{0, 4, 5};
-  const std::string prefix = "scaled_dot_product_attention_varlen_backward: ";
-  using attn::scaled_dot_product_attention_varlen_backward;
-  CHECK_NOTHROW(scaled_dot_product_attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k));
-  attn::Tensor<float, 2> bad_lse(5, 2);
-  REQUIRE_THROWS_WITH(
-      scaled_dot_product_attention_varlen_backward(q, k, v, out, bad_lse, dout, cu_q, cu_k),
-      prefix + "logsumexp is [5, 2] but must be [2, 5] (Hq, Tq)");
+  const std::vector<Index> cu_q{0, 2, 5}, cu_k{0, 4, 5}, cu_other{0, 3, 5};
+  const std::string prefix = "scaled_dot_product_attention_backward: ";
+  attn::Tensor<float, 3> dq(5, 2, 4), dk(5, 1, 4), dv(5, 1, 2);
+  using attn::packed_view;
+  const auto call = [&](const attn::HeadsView<const float>& dout_view, const float* lse_data,
+                        const attn::AttentionOptions<float>& options = {},
+                        float* dsinks = nullptr) {
+    attn::scaled_dot_product_attention_backward_into<float>(
+        packed_view(q, cu_q), packed_view(k, cu_k), packed_view(v, cu_k), packed_view(out, cu_q),
+        lse_data, dout_view, packed_view(dq, cu_q), packed_view(dk, cu_k), packed_view(dv, cu_k),
+        options, nullptr, dsinks);
+  };
+  CHECK_NOTHROW(call(packed_view(dout, cu_q), lse.data()));
   attn::Tensor<float, 3> wrong(5, 2, 3);
+  REQUIRE_THROWS_WITH(call(packed_view(wrong, cu_q), lse.data()),
+                      prefix + "dout is [2, 2, 3, 3] but must be [2, 2, 3, 2] (B, Hq, Lq, Dv)");
+  REQUIRE_THROWS_WITH(call(packed_view(dout, cu_other), lse.data()),
+                      prefix +
+                          "dout holds other sequences than q ([0, 3, 5] against [0, 2, 5]): pack "
+                          "it with q's cu_seqlens");
   REQUIRE_THROWS_WITH(
-      scaled_dot_product_attention_varlen_backward(q, k, v, out, lse, wrong, cu_q, cu_k),
-      prefix + "dout is [1, 2, 5, 3] but must be [1, 2, 5, 2] (1, Hq, Tq, Dv)");
-  REQUIRE_THROWS_WITH(
-      scaled_dot_product_attention_varlen_backward(q, k, v, out, lse, dout, {0, 5}, cu_k),
-      prefix + "cu_seqlens_q has 2 entries and cu_seqlens_k 3: both must have B + 1");
-  REQUIRE_THROWS_WITH(
-      scaled_dot_product_attention_varlen_backward(q, k, v, out, lse, dout, {0, 2, 4}, cu_k),
-      Catch::Contains("cu_seqlens_q is [0, 2, 4]: its last entry must equal the number of "
-                      "tokens, 5"));
+      call(attn::blhd_view(static_cast<const float*>(dout.data()), 1, 5, 2, 2), lse.data()),
+      prefix +
+          "q is a packed view but dout is not: pass packed views (packed_view()) "
+          "for all tensors or for none");
   attn::AttentionOptions<float> options;
   options.key_lengths = {4, 1};
-  REQUIRE_THROWS_WITH(
-      scaled_dot_product_attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, options),
-      prefix +
-          "options.key_lengths and options.query_lengths must be empty: cu_seqlens_q and "
-          "cu_seqlens_k give the lengths");
+  REQUIRE_THROWS_WITH(call(packed_view(dout, cu_q), lse.data(), options),
+                      prefix +
+                          "options.key_lengths and options.query_lengths must be empty on packed "
+                          "views: their row offsets give the lengths");
   options = {};
   attn::Tensor<float, 4> bias(1, 1, 1, 1);
   bias.setZero();
   options.bias = bias;
-  REQUIRE_THROWS_WITH(
-      scaled_dot_product_attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, options),
-      Catch::Contains("options.keep_mask and options.bias are not supported on packed sequences"));
+  REQUIRE_THROWS_WITH(call(packed_view(dout, cu_q), lse.data(), options),
+                      Catch::Contains("options.keep_mask and options.bias are not supported on "
+                                      "packed views"));
   options = {};
   options.score_mod =
       attn::ScoreMod<float>([](float score, Index, Index, Index, Index) { return score; });
-  REQUIRE_THROWS_WITH(
-      scaled_dot_product_attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, options),
-      Catch::Contains("options.score_mod is forward only"));
-
-  // The _into form: views of all tokens only, a null logsumexp, dsinks without sinks.
-  const auto tokens = [](auto& t) {
-    return attn::blhd_view(t.data(), 1, t.dimension(0), t.dimension(1), t.dimension(2));
-  };
-  const auto ctokens = [](const auto& t) {
-    return attn::blhd_view(t.data(), 1, t.dimension(0), t.dimension(1), t.dimension(2));
-  };
-  attn::Tensor<float, 3> dq(5, 2, 4), dk(5, 1, 4), dv(5, 1, 2);
-  const attn::HeadsView<const float> two_sequences =
-      attn::blhd_view(static_cast<const float*>(q.data()), 5, 1, 2, 4);
-  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_varlen_backward_into<float>(
-                          two_sequences, ctokens(k), ctokens(v), ctokens(out), lse.data(),
-                          ctokens(dout), tokens(dq), tokens(dk), tokens(dv), cu_q, cu_k),
-                      prefix +
-                          "q is [5, 2, 1, 4]: every tensor must be a view of all tokens, (1, H, "
-                          "T, D) (e.g. blhd_view(data, 1, T, H, D))");
-  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_varlen_backward_into<float>(
-                          ctokens(q), ctokens(k), ctokens(v), ctokens(out), nullptr, ctokens(dout),
-                          tokens(dq), tokens(dk), tokens(dv), cu_q, cu_k),
+  REQUIRE_THROWS_WITH(call(packed_view(dout, cu_q), lse.data(), options),
+                      Catch::Contains("options.score_mod is forward only"));
+  REQUIRE_THROWS_WITH(call(packed_view(dout, cu_q), nullptr),
                       prefix + "logsumexp is null: pass the forward's logsumexp (Hq, Tq)");
   float scratch[2] = {};
+  REQUIRE_THROWS_WITH(call(packed_view(dout, cu_q), lse.data(), {}, scratch),
+                      prefix + "dsinks was requested but options.sinks is not given");
   REQUIRE_THROWS_WITH(
-      attn::scaled_dot_product_attention_varlen_backward_into<float>(
-          ctokens(q), ctokens(k), ctokens(v), ctokens(out), lse.data(), ctokens(dout), tokens(dq),
-          tokens(dk), tokens(dv), cu_q, cu_k, {}, scratch),
-      prefix + "dsinks was requested but options.sinks is not given");
-  REQUIRE_THROWS_WITH(
-      attn::scaled_dot_product_attention_varlen_backward_into<float>(
-          ctokens(q), ctokens(k), ctokens(v), ctokens(out), lse.data(), ctokens(dout), tokens(dq),
-          attn::blhd_view(dq.data(), 1, 5, 1, 4), tokens(dv), cu_q, cu_k),
+      attn::scaled_dot_product_attention_backward_into<float>(
+          packed_view(q, cu_q), packed_view(k, cu_k), packed_view(v, cu_k), packed_view(out, cu_q),
+          lse.data(), packed_view(dout, cu_q), packed_view(dq, cu_q),
+          packed_view(attn::blhd_view(dq.data(), 1, 5, 1, 4), cu_k), packed_view(dv, cu_k)),
       prefix + "dq overlaps dk: the gradients must not overlap");
+  REQUIRE_THROWS_WITH(
+      attn::scaled_dot_product_attention_backward_into<float>(
+          packed_view(q, cu_q), packed_view(k, cu_k), packed_view(v, cu_k), packed_view(out, cu_q),
+          lse.data(), packed_view(dout, cu_q), packed_view(q, cu_q), packed_view(dk, cu_k),
+          packed_view(dv, cu_k)),
+      prefix + "dq overlaps q: the gradients must share no element with the inputs");
 }
 
 TEST_CASE("the backward of empty problems gives empty or zero gradients", "[backward]") {

@@ -551,24 +551,28 @@ TEST_CASE("mods on packed sequences see positions within each sequence", "[mods]
   for (Tensor<float, 3>* t : {&q, &k, &v})
     for (Index n = 0; n < t->size(); ++n)
       t->data()[n] = u(rng);
+  const auto packed_attention = [&](const AttentionOptions<float>& options) {
+    Tensor<float, 3> out(q.dimension(0), q.dimension(1), v.dimension(2));
+    attn::scaled_dot_product_attention_into<float>(
+        attn::packed_view(q, offsets), attn::packed_view(k, offsets), attn::packed_view(v, offsets),
+        attn::packed_view(out, offsets), options);
+    return out;
+  };
   AttentionOptions<float> builtin;
   builtin.causal = attn::Causal::top_left;
   for (const Algorithm algorithm : every_algorithm) {
     INFO(name_of(algorithm));
     builtin.algorithm = algorithm;
-    const Tensor<float, 3> expected =
-        attn::scaled_dot_product_attention_varlen(q, k, v, offsets, offsets, builtin);
+    const Tensor<float, 3> expected = packed_attention(builtin);
     AttentionOptions<float> modded;
     modded.algorithm = algorithm;
     modded.mask_mod = MaskMod(attn::gallery::causal());
-    const Tensor<float, 3> with_mod =
-        attn::scaled_dot_product_attention_varlen(q, k, v, offsets, offsets, modded);
+    const Tensor<float, 3> with_mod = packed_attention(modded);
     REQUIRE_CLOSE(std::vector<float>(with_mod.data(), with_mod.data() + with_mod.size()),
                   std::vector<float>(expected.data(), expected.data() + expected.size()), 1e-6);
     modded.mask_mod = MaskMod();
     modded.block_mask = BlockMask(MaskMod(attn::gallery::causal()), 3, 1, 30, 30, 8, 8);
-    const Tensor<float, 3> with_blocks =
-        attn::scaled_dot_product_attention_varlen(q, k, v, offsets, offsets, modded);
+    const Tensor<float, 3> with_blocks = packed_attention(modded);
     REQUIRE_CLOSE(std::vector<float>(with_blocks.data(), with_blocks.data() + with_blocks.size()),
                   std::vector<float>(expected.data(), expected.data() + expected.size()), 1e-6);
   }

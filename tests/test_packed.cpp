@@ -1,5 +1,6 @@
 // Tests for per-sequence lengths, packed variable-length batches and sinks
-// (scaled_dot_product_attention_varlen_into, MaskOptions::query_lengths, sink_tokens, sinks):
+// (packed_view() through scaled_dot_product_attention_into, MaskOptions::query_lengths,
+// sink_tokens, sinks):
 // packed equals each sequence alone bit for bit for every algorithm, and each sequence
 // equals the long double reference of support/reference.hpp within the kernels' bound;
 // ragged KVCache::attend in one call equals attending each sequence alone;
@@ -71,6 +72,9 @@ struct Packed {
     return attn::blhd_view(static_cast<const T*>(data.data()), 1, tokens(), heads, dim);
   }
   attn::HeadsView<T> all() { return attn::blhd_view(data.data(), 1, tokens(), heads, dim); }
+  /// All sequences as one packed view, (B, H, max n_b, D).
+  attn::HeadsView<const T> packed() const { return attn::packed_view(all(), offsets); }
+  attn::HeadsView<T> packed() { return attn::packed_view(all(), offsets); }
   /// Sequence b alone, (1, H, n_b, D), in the same memory.
   attn::HeadsView<const T> sequence(std::size_t b) const {
     return attn::blhd_view(static_cast<const T*>(data.data()) + offsets[b] * heads * dim, 1,
@@ -132,8 +136,8 @@ void packed_equals_each_sequence_alone() {
         options.key_tile = tile;
         Packed<T> out(q_lengths, q_heads, value_dim, rng);
         std::vector<T> lse(static_cast<std::size_t>(q_heads * q.tokens()), T(7));
-        attn::scaled_dot_product_attention_varlen_into<T>(
-            q.all(), k.all(), v.all(), out.all(), q.offsets, k.offsets, options, lse.data());
+        attn::scaled_dot_product_attention_into<T>(q.packed(), k.packed(), v.packed(), out.packed(),
+                                                   options, nullptr, lse.data());
         for (std::size_t b = 0; b < q_lengths.size(); ++b) {
           INFO("sequence " << b << ": Lq " << q_lengths[b] << ", Lk " << k_lengths[b]);
           const Index nq = q_lengths[b], nk = k_lengths[b];
@@ -211,8 +215,8 @@ TEST_CASE("packed sequences in 16-bit storage equal each sequence alone", "[pack
     INFO(attn::algorithm_name(algorithm));
     options.algorithm = algorithm;
     Packed<Eigen::half> out(q_lengths, 2, 8, rng);
-    attn::scaled_dot_product_attention_varlen_into<Eigen::half>(
-        q.all(), k.all(), v.all(), out.all(), q.offsets, k.offsets, options);
+    attn::scaled_dot_product_attention_into<Eigen::half>(q.packed(), k.packed(), v.packed(),
+                                                         out.packed(), options);
     for (std::size_t b = 0; b < q_lengths.size(); ++b) {
       Packed<Eigen::half> alone({q_lengths[b]}, 2, 8, rng);
       attn::scaled_dot_product_attention_into<Eigen::half>(q.sequence(b), k.sequence(b),
@@ -352,32 +356,43 @@ TEST_CASE("packed and per-sequence options reject malformed input with a message
   Packed<float> out({3, 2}, 2, 4, rng);
   const auto call = [&](const std::vector<Index>& cu_q, const std::vector<Index>& cu_k,
                         const attn::AttentionOptions<float>& options = {}) {
-    attn::scaled_dot_product_attention_varlen_into<float>(q.all(), k.all(), v.all(), out.all(),
-                                                          cu_q, cu_k, options);
+    attn::scaled_dot_product_attention_into<float>(
+        attn::packed_view(q.all(), cu_q), attn::packed_view(k.all(), cu_k),
+        attn::packed_view(v.all(), cu_k), attn::packed_view(out.all(), cu_q), options);
   };
-  const std::string f = "scaled_dot_product_attention_varlen: ";
+  const std::string f = "scaled_dot_product_attention: ";
+  const std::string pv = "packed_view: ";
   REQUIRE_NOTHROW(call({0, 3, 5}, {0, 4, 5}));
   REQUIRE_THROWS_WITH(call({0, 3, 5}, {0, 5}),
-                      f + "cu_seqlens_q has 3 entries and cu_seqlens_k 2: both must have B + 1");
-  REQUIRE_THROWS_WITH(call({1, 3, 5}, {0, 4, 5}),
-                      f + "cu_seqlens_q is [1, 3, 5]: it must have B + 1 >= 1 entries starting "
-                          "at 0");
-  REQUIRE_THROWS_WITH(call({}, {}), Contains("cu_seqlens_q is []"));
+                      f + "q is [2, 2, 3, 4], k is [1, 1, 5, 4], v is [1, 1, 5, 4]: batch sizes "
+                          "differ");
+  REQUIRE_THROWS_WITH(
+      call({1, 3, 5}, {0, 4, 5}),
+      pv + "cu_seqlens is [1, 3, 5]: it must have B + 1 >= 1 entries starting at 0");
+  REQUIRE_THROWS_WITH(call({}, {}), pv + "cu_seqlens is []: it must have B + 1 >= 1 entries "
+                                         "starting at 0");
   REQUIRE_THROWS_WITH(call({0, 3, 5}, {0, 5, 4}),
-                      f + "cu_seqlens_k is [0, 5, 4]: offsets must not decrease (entry 2)");
+                      pv + "cu_seqlens is [0, 5, 4]: offsets must not decrease (entry 2)");
   REQUIRE_THROWS_WITH(call({0, 3, 6}, {0, 4, 5}),
-                      f + "cu_seqlens_q is [0, 3, 6]: its last entry must equal the number of "
-                          "tokens, 5");
+                      pv + "cu_seqlens is [0, 3, 6]: its last entry must equal the number of "
+                           "tokens, 5");
   REQUIRE_THROWS_WITH(call({0, 3, 4}, {0, 4, 5}), Contains("must equal the number of tokens, 5"));
   attn::AttentionOptions<float> o;
   o.key_lengths = {1, 1};
+  REQUIRE_THROWS_WITH(call({0, 3, 5}, {0, 4, 5}, o),
+                      f + "options.key_lengths and options.query_lengths must be empty on packed "
+                          "views: their row offsets give the lengths");
+  o = {};
+  o.query_lengths = {1, 1};
   REQUIRE_THROWS_WITH(call({0, 3, 5}, {0, 4, 5}, o),
                       Contains("options.key_lengths and options.query_lengths must be empty"));
   o = {};
   attn::Tensor<bool, 4> keep(1, 1, 3, 4);
   o.keep_mask = keep;
   REQUIRE_THROWS_WITH(call({0, 3, 5}, {0, 4, 5}, o),
-                      Contains("options.keep_mask and options.bias are not supported"));
+                      f + "options.keep_mask and options.bias are not supported on packed views: "
+                          "pad the sequences, or express the mask with causal, window, sink "
+                          "tokens, ALiBi or a mask_mod");
   o = {};
   o.sinks = {1.0F};
   REQUIRE_THROWS_WITH(call({0, 3, 5}, {0, 4, 5}, o),
@@ -389,16 +404,67 @@ TEST_CASE("packed and per-sequence options reject malformed input with a message
   o = {};
   o.sink_tokens = -1;
   REQUIRE_THROWS_WITH(call({0, 3, 5}, {0, 4, 5}, o), f + "sink_tokens is -1: must be >= 0");
-  // A view that is already batched, and an out of the wrong shape.
-  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_varlen_into<float>(
-                          attn::blhd_view(q.data.data(), 5, 1, 2, 4), k.all(), v.all(), out.all(),
-                          {0, 3, 5}, {0, 4, 5}),
-                      Contains("must be views of all tokens, (1, H, T, D)"));
-  Packed<float> small({2, 2}, 2, 4, rng);
-  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_varlen_into<float>(
-                          q.all(), k.all(), v.all(), small.all(), {0, 3, 5}, {0, 4, 5}),
-                      f + "out is [1, 2, 4, 4] but must be [1, 2, 5, 4] (1, Hq, Tq, Dv)");
-  REQUIRE_THROWS_AS(call({0, 5}, {0, 4, 5}), std::invalid_argument);
+
+  // packed_view's own rules: the view of all tokens, not a batched or packed one.
+  const std::vector<Index> cu_q{0, 3, 5}, cu_k{0, 4, 5}, cu_other{0, 2, 5};
+  REQUIRE_THROWS_WITH(attn::packed_view(attn::blhd_view(q.data.data(), 5, 1, 2, 4), cu_q),
+                      pv + "tokens is [5, 2, 1, 4]: it must be the (1, H, T, D) view of all "
+                           "tokens (e.g. blhd_view(data, 1, T, H, D))");
+  REQUIRE_THROWS_WITH(attn::packed_view(q.packed(), cu_q),
+                      pv + "tokens is [2, 2, 3, 4], already packed: it must be the (1, H, T, D) "
+                           "view of all tokens (e.g. blhd_view(data, 1, T, H, D))");
+  // Packed and padded views mixed; the query side on other sequences than out.
+  const Packed<float> q1({5}, 2, 4, rng), k1({5}, 1, 4, rng), v1({5}, 1, 4, rng);
+  Packed<float> out1({5}, 2, 4, rng);
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_into<float>(q1.packed(), k1.all(),
+                                                                     v1.packed(), out1.packed()),
+                      f + "q is a packed view but k is not: pass packed views (packed_view()) "
+                          "for all tensors or for none");
+  REQUIRE_THROWS_WITH(
+      attn::scaled_dot_product_attention_into<float>(q1.all(), k1.all(), v1.all(), out1.packed()),
+      f + "out is a packed view but q is not: pass packed views (packed_view()) "
+          "for all tensors or for none");
+  REQUIRE_THROWS_WITH(
+      attn::scaled_dot_product_attention_into<float>(q.packed(), k.packed(), v.packed(),
+                                                     attn::packed_view(out.all(), cu_other)),
+      f + "out holds other sequences than q ([0, 2, 5] against [0, 3, 5]): pack it with q's "
+          "cu_seqlens");
+  REQUIRE_THROWS_WITH(
+      attn::scaled_dot_product_attention_into<float>(
+          q.packed(), k.packed(), attn::packed_view(v.all(), cu_other), out.packed()),
+      f + "v holds other sequences than k ([0, 2, 5] against [0, 4, 5]): pack it with k's "
+          "cu_seqlens");
+  // A view built by hand whose offsets are not a packed view's.
+  attn::HeadsView<const float> forged = q.packed();
+  forged.length = 2;
+  attn::HeadsView<float> forged_out = out.packed();
+  forged_out.length = 2;
+  REQUIRE_THROWS_WITH(
+      attn::scaled_dot_product_attention_into<float>(forged, k.packed(), v.packed(), forged_out),
+      f + "q's row offsets [0, 3, 5] with length 2 are not a packed view's: "
+          "build it with packed_view()");
+  // Out of the wrong shape, weights, the value form, and out over k's memory.
+  Packed<float> narrow({3, 2}, 2, 3, rng);
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_into<float>(q.packed(), k.packed(),
+                                                                     v.packed(), narrow.packed()),
+                      f + "out is [2, 2, 3, 3] but must be [2, 2, 3, 4] (B, Hq, Lq, Dv)");
+  std::vector<float> weights(2 * 2 * 3 * 4);
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_into<float>(
+                          q.packed(), k.packed(), v.packed(), out.packed(), {}, weights.data()),
+                      f + "weights are not available for packed views: pad the sequences");
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention(q.packed(), k.packed(), v.packed()),
+                      f + "packed views need a packed output: call "
+                          "scaled_dot_product_attention_into with packed_view() of the output "
+                          "tokens");
+  Packed<float> kv_out({5}, 1, 4, rng);  // k and an out over the same memory
+  const attn::HeadsView<float> k_memory =
+      attn::packed_view(attn::blhd_view(kv_out.data.data(), 1, 5, 1, 4), cu_k);
+  const Packed<float> q_one_head({3, 2}, 1, 4, rng);
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_into<float>(
+                          q_one_head.packed(), attn::HeadsView<const float>(k_memory), v.packed(),
+                          attn::packed_view(attn::blhd_view(kv_out.data.data(), 1, 5, 1, 4), cu_q)),
+                      f + "out overlaps k: out must be q itself (in place) or share no element "
+                          "with q, k and v");
 
   // Per-sequence lengths in the padded entry point.
   attn::Tensor<float, 4> q4(2, 2, 3, 4), k4(2, 1, 5, 4), v4(2, 1, 5, 4);
@@ -473,8 +539,8 @@ void forward_packed_equals_forward_of_each_sequence() {
                       "MultiHeadAttention::forward_packed: x is [18, 31] but embed_dim is 32: "
                       "widths differ");
   REQUIRE_THROWS_WITH(mha.forward_packed(x, {0, 5, 17}),
-                      Contains("cu_seqlens_q is [0, 5, 17]: its last entry must equal the number "
-                               "of tokens, 18"));
+                      "MultiHeadAttention::forward_packed: cu_seqlens is [0, 5, 17]: its last "
+                      "entry must equal the number of tokens, 18");
 }
 
 }  // namespace

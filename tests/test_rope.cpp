@@ -340,10 +340,9 @@ TEST_CASE("rope per-sequence offsets, explicit positions and packed views agree"
     for (Index t = 0; t < start(b + 1) - start(b); ++t)
       token_positions.push_back(offsets[static_cast<std::size_t>(b)] + t);
   rope.apply_at(attn::blhd_view(tokens.data(), 1, 7, heads, dim), token_positions);
-  // the internal packed view (row_offsets) of the varlen entry point, with offsets
-  rope.apply(
-      attn::detail::packed_view(attn::blhd_view(packed.data(), 1, 7, heads, dim), row_offsets),
-      offsets);
+  // a packed view (packed_view(), as attention takes it), with offsets
+  rope.apply(attn::packed_view(attn::blhd_view(packed.data(), 1, 7, heads, dim), row_offsets),
+             offsets);
   REQUIRE(tokens == packed);
   for (Index b = 0; b < batch; ++b)
     for (Index t = 0; t < start(b + 1) - start(b); ++t)

@@ -14,8 +14,8 @@
 //   - masks are described by attn/mask.hpp; boolean masks use PyTorch SDPA's polarity
 //     (true = may attend);
 //   - masks are per sequence: key_lengths and query_lengths move each sequence's diagonal
-//     (docs/masks.md); packed batches (scaled_dot_product_attention_varlen_into) follow the
-//     same rules with the lengths of their offsets;
+//     (docs/masks.md); packed sequences (views from packed_view(), docs/packed.md) follow
+//     the same rules with the lengths of their offsets;
 //   - a query row that sees no key (or only -inf scores) outputs zeros, zero weights and
 //     log-sum-exp -inf (the head's sink logit with learned sinks), where PyTorch's math
 //     path returns NaN;
@@ -75,6 +75,8 @@ void run_attention(const KernelPlan& plan,
 /// The implementation of scaled_dot_product_attention_into for q stored as TQ, k and v as
 /// TKV and out as TO; the arithmetic runs in T = compute_scalar_t<TQ>. 16-bit operands are
 /// widened as the kernels read them (flash: tile by tile; naive and chunked: once per head).
+/// Padded or packed views (packed_view()): the same kernels, packed sequences with each
+/// sequence's lengths as key_lengths and query_lengths.
 template <class TQ, class TKV, class TO>
 void attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
                     const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
@@ -82,7 +84,7 @@ void attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
                     const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
                     const AttentionOptions<compute_scalar_t<TQ>>& options,
                     compute_scalar_t<TQ>* weights,      // (B, Hq, Lq, Lk) or null
-                    compute_scalar_t<TQ>* logsumexp) {  // (B, Hq, Lq) or null
+                    compute_scalar_t<TQ>* logsumexp) {  // (B, Hq, Lq), packed (Hq, Tq), or null
   using T = compute_scalar_t<TQ>;
   static_assert(is_storage_scalar_v<TQ> && is_storage_scalar_v<TKV> && is_storage_scalar_v<TO>,
                 "scaled_dot_product_attention: scalars must be floating point, Eigen::half or "
@@ -91,6 +93,9 @@ void attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
                 "scaled_dot_product_attention: q, k, v and out must share one compute scalar "
                 "(float with half or bfloat16; double only with double)");
   constexpr const char* function = "scaled_dot_product_attention";
+  // Packing first: views on other sequences also have other lengths, and that is the cause.
+  const bool packed = check_packing(function, {packed_rows("q", q), packed_rows("out", out)},
+                                    {packed_rows("k", k), packed_rows("v", v)});
   check_attention_shapes(function, q, k, v);
   if (out.batch != q.batch || out.heads != q.heads || out.length != q.length || out.dim != v.dim) {
     throw_invalid_argument(function,
@@ -99,128 +104,27 @@ void attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
                                " (B, Hq, Lq, Dv)");
   }
   check_output_aliasing(function, q, k, v, out);
+  if (packed) {
+    check_packed_options(function, options);
+    if (weights != nullptr) {
+      throw_invalid_argument(function,
+                             "weights are not available for packed views: pad the sequences");
+    }
+  }
   const T scale = resolve_scale(function, options.scale, q.dim);
   const KernelPlan plan = plan_attention<T>(
       {q.batch, q.heads, k.heads, q.length, k.length, q.dim, v.dim, Index(sizeof(TKV))}, options,
       weights != nullptr, function);
-  const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options, plan.isa);
+  if (!packed) {
+    const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options, plan.isa);
+    run_attention(plan, q, k, v, out, mask, scale, weights,
+                  padded_rows(logsumexp, q.heads, q.length));
+    return;
+  }
+  const MaskOptions<T> per_sequence = per_sequence_options<MaskOptions<T>>(options, q, k);
+  const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, per_sequence, plan.isa);
   run_attention(plan, q, k, v, out, mask, scale, weights,
-                padded_rows(logsumexp, q.heads, q.length));
-}
-
-/// Throws unless `offsets` are FlashAttention's cu_seqlens for `tokens` tokens: at least one
-/// entry, starting at 0, non-decreasing, ending at `tokens`.
-inline void check_sequence_offsets(const char* function, const char* name,
-                                   const std::vector<Index>& offsets, Index tokens) {
-  if (offsets.empty() || offsets.front() != 0) {
-    throw_invalid_argument(function, std::string(name) + " is " + list_string(offsets) +
-                                         ": it must have B + 1 >= 1 entries starting at 0");
-  }
-  for (std::size_t b = 0; b + 1 < offsets.size(); ++b) {
-    if (offsets[b + 1] < offsets[b]) {
-      throw_invalid_argument(function, std::string(name) + " is " + list_string(offsets) +
-                                           ": offsets must not decrease (entry " +
-                                           std::to_string(b + 1) + ")");
-    }
-  }
-  if (offsets.back() != tokens) {
-    throw_invalid_argument(function, std::string(name) + " is " + list_string(offsets) +
-                                         ": its last entry must equal the number of tokens, " +
-                                         std::to_string(tokens));
-  }
-}
-
-/// The checks of a packed call (forward or backward) on its sequences and options: B + 1
-/// offsets each, rising from 0 to the number of tokens; no per-sequence lengths, keep-mask or
-/// bias in the options (the offsets give the lengths, and a (B, H, Lq, Lk) tensor has no
-/// meaning on packed tokens).
-template <class T>
-void check_packed_sequences(const char* function,
-                            const std::vector<Index>& cu_seqlens_q,  // (B + 1)
-                            const std::vector<Index>& cu_seqlens_k,  // (B + 1)
-                            Index q_tokens, Index k_tokens, const MaskOptions<T>& options) {
-  if (cu_seqlens_q.size() != cu_seqlens_k.size()) {
-    throw_invalid_argument(function, "cu_seqlens_q has " + std::to_string(cu_seqlens_q.size()) +
-                                         " entries and cu_seqlens_k " +
-                                         std::to_string(cu_seqlens_k.size()) +
-                                         ": both must have B + 1");
-  }
-  check_sequence_offsets(function, "cu_seqlens_q", cu_seqlens_q, q_tokens);
-  check_sequence_offsets(function, "cu_seqlens_k", cu_seqlens_k, k_tokens);
-  if (!options.key_lengths.empty() || !options.query_lengths.empty()) {
-    throw_invalid_argument(function,
-                           "options.key_lengths and options.query_lengths must be "
-                           "empty: cu_seqlens_q and cu_seqlens_k give the lengths");
-  }
-  if (!options.keep_mask.empty() || !options.bias.empty()) {
-    throw_invalid_argument(function,
-                           "options.keep_mask and options.bias are not supported on "
-                           "packed sequences: pad them, or express the mask with "
-                           "causal, window, sink tokens or ALiBi");
-  }
-}
-
-/// The options of a packed call as the kernels see them: each sequence's query and key
-/// lengths from the offsets, so that every rule applies within a sequence.
-template <class T>
-MaskOptions<T> per_sequence_options(const MaskOptions<T>& options,
-                                    const std::vector<Index>& cu_seqlens_q,    // (B + 1)
-                                    const std::vector<Index>& cu_seqlens_k) {  // (B + 1)
-  MaskOptions<T> per_sequence = options;
-  const std::size_t batch = cu_seqlens_q.size() - 1;
-  per_sequence.query_lengths.resize(batch);
-  per_sequence.key_lengths.resize(batch);
-  for (std::size_t b = 0; b < batch; ++b) {
-    per_sequence.query_lengths[b] = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
-    per_sequence.key_lengths[b] = cu_seqlens_k[b + 1] - cu_seqlens_k[b];
-  }
-  return per_sequence;
-}
-
-/// The implementation of scaled_dot_product_attention_varlen_into (see there).
-template <class TQ, class TKV, class TO>
-void varlen_attention_into(const HeadsView<const TQ>& q,            // (1, Hq, Tq, D)
-                           const HeadsView<const TKV>& k,           // (1, Hkv, Tk, D)
-                           const HeadsView<const TKV>& v,           // (1, Hkv, Tk, Dv)
-                           const HeadsView<TO>& out,                // (1, Hq, Tq, Dv)
-                           const std::vector<Index>& cu_seqlens_q,  // (B + 1)
-                           const std::vector<Index>& cu_seqlens_k,  // (B + 1)
-                           const AttentionOptions<compute_scalar_t<TQ>>& options,
-                           compute_scalar_t<TQ>* logsumexp) {  // (Hq, Tq) or null
-  using T = compute_scalar_t<TQ>;
-  static_assert(std::is_same_v<T, compute_scalar_t<TKV>> && std::is_same_v<T, compute_scalar_t<TO>>,
-                "scaled_dot_product_attention_varlen: q, k, v and out must share one compute "
-                "scalar (float with half or bfloat16; double only with double)");
-  constexpr const char* function = "scaled_dot_product_attention_varlen";
-  if (q.batch != 1 || k.batch != 1 || v.batch != 1 || out.batch != 1 || q.row_offsets != nullptr ||
-      k.row_offsets != nullptr || v.row_offsets != nullptr || out.row_offsets != nullptr) {
-    throw_invalid_argument(function,
-                           "q, k, v and out must be views of all tokens, (1, H, T, D) "
-                           "(e.g. blhd_view(data, 1, T, H, D)); q is " +
-                               shape_string({q.batch, q.heads, q.length, q.dim}) + ", out is " +
-                               shape_string({out.batch, out.heads, out.length, out.dim}));
-  }
-  check_attention_shapes(function, q, k, v);
-  if (out.heads != q.heads || out.length != q.length || out.dim != v.dim) {
-    throw_invalid_argument(function,
-                           "out is " + shape_string({out.batch, out.heads, out.length, out.dim}) +
-                               " but must be " + shape_string({1, q.heads, q.length, v.dim}) +
-                               " (1, Hq, Tq, Dv)");
-  }
-  check_output_aliasing(function, q, k, v, out);
-  check_packed_sequences(function, cu_seqlens_q, cu_seqlens_k, q.length, k.length, options);
-  const T scale = resolve_scale(function, options.scale, q.dim);
-  const Index batch = static_cast<Index>(cu_seqlens_q.size()) - 1;
-  const MaskOptions<T> per_sequence = per_sequence_options(options, cu_seqlens_q, cu_seqlens_k);
-  const HeadsView<const TQ> qp = packed_view(q, cu_seqlens_q);
-  const HeadsView<const TKV> kp = packed_view(k, cu_seqlens_k), vp = packed_view(v, cu_seqlens_k);
-  const HeadsView<TO> outp = packed_view(out, cu_seqlens_q);
-  const KernelPlan plan = plan_attention<T>(
-      {batch, q.heads, k.heads, qp.length, kp.length, q.dim, v.dim, Index(sizeof(TKV))}, options,
-      false, function);
-  const Mask<T> mask(function, batch, q.heads, qp.length, kp.length, per_sequence, plan.isa);
-  run_attention(plan, qp, kp, vp, outp, mask, scale, static_cast<T*>(nullptr),
-                RowValues<T>{logsumexp, 0, q.length, cu_seqlens_q.data()});
+                RowValues<T>{logsumexp, 0, q.row_offsets[q.batch], q.row_offsets});
 }
 
 }  // namespace detail
@@ -229,6 +133,14 @@ void varlen_attention_into(const HeadsView<const TQ>& q,            // (1, Hq, T
 /// strided view (e.g. (B, Lq, Hq, Dv) memory, so that heads are already merged).
 /// Optional outputs: `weights` (B, Hq, Lq, Lk) and `logsumexp` (B, Hq, Lq), contiguous, in
 /// the compute scalar (float for 16-bit data).
+///
+/// Packed sequences (FlashAttention's varlen calls): q and out from packed_view() of the
+/// query tokens with cu_seqlens_q, k and v with cu_seqlens_k. Every option applies per
+/// sequence (causal bottom-right at n_k(b) - n_q(b), window, sink tokens, ALiBi, softcap,
+/// learned sinks, mods, every algorithm); keep_mask, bias, key_lengths, query_lengths and
+/// weights must be empty; `logsumexp` is (Hq, Tq). Work items never cross a sequence: the
+/// result is bitwise that of calling each sequence on its own with the same algorithm and
+/// tiles (docs/packed.md).
 template <class T>
 void scaled_dot_product_attention_into(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
                                        const HeadsView<const T>& k,  // (B, Hkv, Lk, D)
@@ -256,54 +168,6 @@ void scaled_dot_product_attention_into(const HeadsView<const TQ>& q,   // (B, Hq
   detail::attention_into<TQ, TKV, TO>(q, k, v, out, options, weights, logsumexp);
 }
 
-/// Packed variable-length sequences (FlashAttention's varlen functions): B sequences of
-/// different lengths stored one after another, sequence b being query tokens
-/// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key tokens [cu_seqlens_k[b], cu_seqlens_k[b + 1]).
-/// q, k, v and out are views of all tokens, (1, H, T, D): e.g. blhd_view(data, 1, T, H, D) of
-/// (T, H, D) memory. Every option applies per sequence: causal either alignment (bottom-right
-/// at n_k(b) - n_q(b)), window, sink tokens, ALiBi, softcap, learned sinks, GQA, scale,
-/// every algorithm; keep_mask, bias, key_lengths and query_lengths must be empty. Work items
-/// never cross a sequence: the result is bitwise that of calling each sequence on its own
-/// with the same algorithm and tiles. `logsumexp` (Hq, Tq) contiguous, or null.
-template <class TQ, class TKV = TQ, class TO = TQ>
-void scaled_dot_product_attention_varlen_into(
-    const HeadsView<const TQ>& q,            // (1, Hq, Tq, D)
-    const HeadsView<const TKV>& k,           // (1, Hkv, Tk, D)
-    const HeadsView<const TKV>& v,           // (1, Hkv, Tk, Dv)
-    const HeadsView<TO>& out,                // (1, Hq, Tq, Dv)
-    const std::vector<Index>& cu_seqlens_q,  // (B + 1)
-    const std::vector<Index>& cu_seqlens_k,  // (B + 1)
-    const AttentionOptions<compute_scalar_t<TQ>>& options = {},
-    compute_scalar_t<TQ>* logsumexp = nullptr)  // (Hq, Tq) or null
-{
-  detail::varlen_attention_into<TQ, TKV, TO>(q, k, v, out, cu_seqlens_q, cu_seqlens_k, options,
-                                             logsumexp);
-}
-
-/// Packed variable-length attention on (T, H, D) tensors: q (Tq, Hq, D), k (Tk, Hkv, D),
-/// v (Tk, Hkv, Dv) -> out (Tq, Hq, Dv); fills `logsumexp` (Hq, Tq) when given.
-template <class T>
-Tensor<T, 3> scaled_dot_product_attention_varlen(
-    const Tensor<T, 3>& q,  // (Tq, Hq, D)
-    const Tensor<T, 3>& k,  // (Tk, Hkv, D)
-    const Tensor<T, 3>& v,  // (Tk, Hkv, Dv)
-    const std::vector<Index>& cu_seqlens_q, const std::vector<Index>& cu_seqlens_k,
-    const AttentionOptions<compute_scalar_t<T>>& options = {},
-    Tensor<compute_scalar_t<T>, 2>* logsumexp = nullptr)  // (Hq, Tq)
-{
-  const auto tokens = [](const Tensor<T, 3>& x) {
-    return blhd_view(x.data(), 1, x.dimension(0), x.dimension(1), x.dimension(2));
-  };
-  Tensor<T, 3> out(q.dimension(0), q.dimension(1), v.dimension(2));
-  if (logsumexp != nullptr)
-    logsumexp->resize(q.dimension(1), q.dimension(0));
-  detail::varlen_attention_into<T, T, T>(
-      tokens(q), tokens(k), tokens(v),
-      blhd_view(out.data(), 1, out.dimension(0), out.dimension(1), out.dimension(2)), cu_seqlens_q,
-      cu_seqlens_k, options, logsumexp != nullptr ? logsumexp->data() : nullptr);
-  return out;
-}
-
 /// Batched attention on rank-4 row-major tensors or tensor maps (B, H, L, D).
 /// Returns out (B, Hq, Lq, Dv) stored as `Out` (default: q's scalar; e.g.
 /// `scaled_dot_product_attention<float>(q, k, v)` for float output from half inputs); fills
@@ -329,6 +193,12 @@ auto scaled_dot_product_attention(
   const HeadsView<const SKV> kv = detail::as_heads_view(k);
   const HeadsView<const SKV> vv = detail::as_heads_view(v);
   detail::check_attention_shapes("scaled_dot_product_attention", qv, kv, vv);
+  if (qv.row_offsets != nullptr || kv.row_offsets != nullptr || vv.row_offsets != nullptr) {
+    detail::throw_invalid_argument("scaled_dot_product_attention",
+                                   "packed views need a packed output: call "
+                                   "scaled_dot_product_attention_into with packed_view() of the "
+                                   "output tokens");
+  }
   Tensor<SO, 4> out(qv.batch, qv.heads, qv.length, vv.dim);
   if (weights != nullptr)
     weights->resize(qv.batch, qv.heads, qv.length, kv.length);

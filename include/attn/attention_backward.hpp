@@ -18,8 +18,7 @@
 // whose memory does not grow with Lq or Lk. Both are deterministic: bitwise the same result
 // for any thread count.
 //
-// Packed sequences (the backward of scaled_dot_product_attention_varlen_into): views of all
-// tokens (1, H, T, D), logsumexp (Hq, Tq), the forward's cu_seqlens_q and cu_seqlens_k; the
+// Packed sequences: packed views (packed_view()) as in the forward, logsumexp (Hq, Tq); the
 // same kernels, with (sequence, kv head) work items.
 #pragma once
 
@@ -57,16 +56,11 @@ struct AttentionGradients {
 
 namespace detail {
 
-template <class T>
-std::string view_shape(const HeadsView<T>& x) {
-  return shape_string({x.batch, x.heads, x.length, x.dim});
-}
-
-/// The checks every backward call makes once its inputs are (B, H, L, D) views (padded) or
-/// views of all tokens (packed, B = 1): out, dout and the gradients' shapes, the log-sum-exp,
-/// overlaps, and the gradients asked for that the options cannot give.
+/// The checks every backward call makes on its (B, H, L, D) views, padded or packed: out,
+/// dout and the gradients' shapes, the log-sum-exp, overlaps, and the gradients asked for
+/// that the options cannot give.
 template <class S>
-void check_backward_arguments(const char* function, bool packed,
+void check_backward_arguments(const char* function,
                               const HeadsView<const S>& q,     // (B, Hq, Lq, D)
                               const HeadsView<const S>& k,     // (B, Hkv, Lk, D)
                               const HeadsView<const S>& v,     // (B, Hkv, Lk, Dv)
@@ -90,18 +84,16 @@ void check_backward_arguments(const char* function, bool packed,
                         shape_string({wanted[0], wanted[1], wanted[2], wanted[3]}) + " " + legend);
     }
   };
-  expect("out", out.shape(), out_shape, packed ? "(1, Hq, Tq, Dv)" : "(B, Hq, Lq, Dv)");
-  expect("dout", dout.shape(), out_shape, packed ? "(1, Hq, Tq, Dv)" : "(B, Hq, Lq, Dv)");
-  expect("dq", dq.shape(), q.shape(),
-         packed ? "(1, Hq, Tq, D), q's shape" : "(B, Hq, Lq, D), q's shape");
-  expect("dk", dk.shape(), k.shape(),
-         packed ? "(1, Hkv, Tk, D), k's shape" : "(B, Hkv, Lk, D), k's shape");
-  expect("dv", dv.shape(), v.shape(),
-         packed ? "(1, Hkv, Tk, Dv), v's shape" : "(B, Hkv, Lk, Dv), v's shape");
+  expect("out", out.shape(), out_shape, "(B, Hq, Lq, Dv)");
+  expect("dout", dout.shape(), out_shape, "(B, Hq, Lq, Dv)");
+  expect("dq", dq.shape(), q.shape(), "(B, Hq, Lq, D), q's shape");
+  expect("dk", dk.shape(), k.shape(), "(B, Hkv, Lk, D), k's shape");
+  expect("dv", dv.shape(), v.shape(), "(B, Hkv, Lk, Dv), v's shape");
   if (lse == nullptr && q.batch * q.heads * q.length > 0) {
     throw_invalid_argument(function,
-                           packed ? "logsumexp is null: pass the forward's logsumexp (Hq, Tq)"
-                                  : "logsumexp is null: pass the forward's logsumexp (B, Hq, Lq)");
+                           q.row_offsets != nullptr
+                               ? "logsumexp is null: pass the forward's logsumexp (Hq, Tq)"
+                               : "logsumexp is null: pass the forward's logsumexp (B, Hq, Lq)");
   }
   // The gradients must not overlap any input or each other.
   const std::pair<const char*, HeadsView<S>> outputs[] = {{"dq", dq}, {"dk", dk}, {"dv", dv}};
@@ -165,7 +157,7 @@ void attention_backward_into(const HeadsView<const S>& q,     // (B, Hq, Lq, D)
                              const HeadsView<const S>& k,     // (B, Hkv, Lk, D)
                              const HeadsView<const S>& v,     // (B, Hkv, Lk, Dv)
                              const HeadsView<const S>& out,   // (B, Hq, Lq, Dv)
-                             const compute_scalar_t<S>* lse,  // (B, Hq, Lq)
+                             const compute_scalar_t<S>* lse,  // (B, Hq, Lq), packed (Hq, Tq)
                              const HeadsView<const S>& dout,  // (B, Hq, Lq, Dv)
                              const HeadsView<S>& dq,          // (B, Hq, Lq, D)
                              const HeadsView<S>& dk,          // (B, Hkv, Lk, D)
@@ -173,77 +165,44 @@ void attention_backward_into(const HeadsView<const S>& q,     // (B, Hq, Lq, D)
                              const AttentionOptions<compute_scalar_t<S>>& options,
                              compute_scalar_t<S>* dbias,     // the bias's dims, or null
                              compute_scalar_t<S>* dsinks) {  // (Hq), or null
+  using T = compute_scalar_t<S>;
   static_assert(is_storage_scalar_v<S>,
                 "scaled_dot_product_attention_backward: scalars must be floating point, "
                 "Eigen::half or Eigen::bfloat16");
   constexpr const char* function = "scaled_dot_product_attention_backward";
-  for (const HeadsView<const S>* x : {&q, &k, &v, &out, &dout}) {
-    if (x->row_offsets != nullptr) {
-      throw_invalid_argument(function,
-                             "packed views (varlen) go to "
-                             "scaled_dot_product_attention_varlen_backward_into, with the "
-                             "sequences' offsets");
-    }
-  }
-  check_backward_arguments(function, false, q, k, v, out, lse, dout, dq, dk, dv, options, dbias,
-                           dsinks);
-  run_backward(
+  // Packing first: views on other sequences also have other lengths, and that is the cause.
+  const bool packed = check_packing(
       function,
-      BackwardViews<S>{q, k, v, out, dout, padded_rows(lse, q.heads, q.length), dq, dk, dv},
-      options, dbias, dsinks);
-}
-
-/// The implementation of scaled_dot_product_attention_varlen_backward_into (see there).
-template <class S>
-void varlen_attention_backward_into(const HeadsView<const S>& q,             // (1, Hq, Tq, D)
-                                    const HeadsView<const S>& k,             // (1, Hkv, Tk, D)
-                                    const HeadsView<const S>& v,             // (1, Hkv, Tk, Dv)
-                                    const HeadsView<const S>& out,           // (1, Hq, Tq, Dv)
-                                    const compute_scalar_t<S>* lse,          // (Hq, Tq)
-                                    const HeadsView<const S>& dout,          // (1, Hq, Tq, Dv)
-                                    const HeadsView<S>& dq,                  // (1, Hq, Tq, D)
-                                    const HeadsView<S>& dk,                  // (1, Hkv, Tk, D)
-                                    const HeadsView<S>& dv,                  // (1, Hkv, Tk, Dv)
-                                    const std::vector<Index>& cu_seqlens_q,  // (B + 1)
-                                    const std::vector<Index>& cu_seqlens_k,  // (B + 1)
-                                    const AttentionOptions<compute_scalar_t<S>>& options,
-                                    compute_scalar_t<S>* dsinks) {  // (Hq), or null
-  using T = compute_scalar_t<S>;
-  static_assert(is_storage_scalar_v<S>,
-                "scaled_dot_product_attention_varlen_backward: scalars must be floating point, "
-                "Eigen::half or Eigen::bfloat16");
-  constexpr const char* function = "scaled_dot_product_attention_varlen_backward";
-  const std::pair<const char*, HeadsView<const S>> views[] = {
-      {"q", q},       {"k", k},   {"v", v},   {"out", out},
-      {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}};
-  for (const auto& [name, x] : views) {
-    if (x.batch != 1 || x.row_offsets != nullptr) {
-      throw_invalid_argument(function, std::string(name) + " is " + view_shape(x) +
-                                           ": every tensor must be a view of all tokens, "
-                                           "(1, H, T, D) (e.g. blhd_view(data, 1, T, H, D))");
-    }
+      {packed_rows("q", q), packed_rows("out", out), packed_rows("dout", dout),
+       packed_rows("dq", dq)},
+      {packed_rows("k", k), packed_rows("v", v), packed_rows("dk", dk), packed_rows("dv", dv)});
+  check_attention_shapes(function, q, k, v);
+  if (packed)
+    check_packed_options(function, options);
+  check_backward_arguments(function, q, k, v, out, lse, dout, dq, dk, dv, options, dbias, dsinks);
+  if (!packed) {
+    run_backward(
+        function,
+        BackwardViews<S>{q, k, v, out, dout, padded_rows(lse, q.heads, q.length), dq, dk, dv},
+        options, dbias, dsinks);
+    return;
   }
-  check_backward_arguments(function, true, q, k, v, out, lse, dout, dq, dk, dv, options,
-                           static_cast<const T*>(nullptr), dsinks);
-  check_packed_sequences(function, cu_seqlens_q, cu_seqlens_k, q.length, k.length, options);
-  AttentionOptions<T> per_sequence = options;
-  static_cast<MaskOptions<T>&>(per_sequence) =
-      per_sequence_options(options, cu_seqlens_q, cu_seqlens_k);
   run_backward(function,
-               BackwardViews<S>{packed_view(q, cu_seqlens_q), packed_view(k, cu_seqlens_k),
-                                packed_view(v, cu_seqlens_k), packed_view(out, cu_seqlens_q),
-                                packed_view(dout, cu_seqlens_q),
-                                RowValues<const T>{lse, 0, q.length, cu_seqlens_q.data()},
-                                packed_view(dq, cu_seqlens_q), packed_view(dk, cu_seqlens_k),
-                                packed_view(dv, cu_seqlens_k)},
-               per_sequence, nullptr, dsinks);
+               BackwardViews<S>{q, k, v, out, dout,
+                                RowValues<const T>{lse, 0, q.row_offsets[q.batch], q.row_offsets},
+                                dq, dk, dv},
+               per_sequence_options(options, q, k), dbias, dsinks);
 }
 
 }  // namespace detail
 
 /// Gradients on (B, H, L, D) views (any strides, e.g. (B, L, H, D) memory), written into dq,
 /// dk and dv, which must share no element with the inputs or each other. `logsumexp`
-/// (B, Hq, Lq) contiguous, as the forward returned it for the same options. `dbias`, if not
+/// (B, Hq, Lq) contiguous, as the forward returned it for the same options. Packed sequences:
+/// every view packed as in the forward (q, out, dout and dq with cu_seqlens_q; k, v, dk and
+/// dv with cu_seqlens_k), `logsumexp` (Hq, Tq); every option of the packed forward, each
+/// within its sequence (dropout, mask_mod and block_mask see the sequence's index as b);
+/// dsinks summed over the sequences. `dbias`, if not
 /// null, receives the bias's gradient in the bias's own dims (contiguous; options.bias must
 /// be given); `dsinks` (Hq), if not null, the learned sinks' (options.sinks must be given).
 template <class T>
@@ -312,79 +271,6 @@ AttentionGradients<T> scaled_dot_product_attention_backward(
                                      detail::as_heads_view(dout), bhld_view(g.dq), bhld_view(g.dk),
                                      bhld_view(g.dv), options, dbias,
                                      g.dsinks.empty() ? nullptr : g.dsinks.data());
-  return g;
-}
-
-/// The gradients scaled_dot_product_attention_varlen_backward returns, in the tokens' layout.
-template <class T>
-struct VarlenGradients {
-  using C = compute_scalar_t<T>;
-  Tensor<T, 3> dq;        ///< (Tq, Hq, D)
-  Tensor<T, 3> dk;        ///< (Tk, Hkv, D)
-  Tensor<T, 3> dv;        ///< (Tk, Hkv, Dv)
-  std::vector<C> dsinks;  ///< (Hq) when options.sinks is given; else empty
-};
-
-/// Gradients of packed variable-length attention (scaled_dot_product_attention_varlen_into's
-/// backward): views of all tokens (1, H, T, D), e.g. blhd_view(data, 1, T, H, D) of (T, H, D)
-/// memory; `out` and `logsumexp` (Hq, Tq) as the packed forward returned them for the same
-/// sequences and options. Every option of the packed forward, each within its sequence
-/// (dropout, mask_mod and block_mask see the sequence's index as b); dsinks (Hq) summed over
-/// the sequences. Work items are (sequence, kv head): the same bits for any thread count.
-template <class T>
-void scaled_dot_product_attention_varlen_backward_into(
-    const HeadsView<const T>& q,             // (1, Hq, Tq, D)
-    const HeadsView<const T>& k,             // (1, Hkv, Tk, D)
-    const HeadsView<const T>& v,             // (1, Hkv, Tk, Dv)
-    const HeadsView<const T>& out,           // (1, Hq, Tq, Dv)
-    const compute_scalar_t<T>* logsumexp,    // (Hq, Tq)
-    const HeadsView<const T>& dout,          // (1, Hq, Tq, Dv)
-    const HeadsView<T>& dq,                  // (1, Hq, Tq, D)
-    const HeadsView<T>& dk,                  // (1, Hkv, Tk, D)
-    const HeadsView<T>& dv,                  // (1, Hkv, Tk, Dv)
-    const std::vector<Index>& cu_seqlens_q,  // (B + 1)
-    const std::vector<Index>& cu_seqlens_k,  // (B + 1)
-    const AttentionOptions<compute_scalar_t<T>>& options = {},
-    compute_scalar_t<T>* dsinks = nullptr)  // (Hq), or null
-{
-  detail::varlen_attention_backward_into<T>(q, k, v, out, logsumexp, dout, dq, dk, dv, cu_seqlens_q,
-                                            cu_seqlens_k, options, dsinks);
-}
-
-/// Gradients of packed variable-length attention on (T, H, D) tensors: q (Tq, Hq, D),
-/// k (Tk, Hkv, D), v (Tk, Hkv, Dv), out and dout (Tq, Hq, Dv), logsumexp (Hq, Tq) as
-/// scaled_dot_product_attention_varlen returned it. dsinks is filled when options.sinks is
-/// given.
-template <class T>
-VarlenGradients<T> scaled_dot_product_attention_varlen_backward(
-    const Tensor<T, 3>& q,                            // (Tq, Hq, D)
-    const Tensor<T, 3>& k,                            // (Tk, Hkv, D)
-    const Tensor<T, 3>& v,                            // (Tk, Hkv, Dv)
-    const Tensor<T, 3>& out,                          // (Tq, Hq, Dv)
-    const Tensor<compute_scalar_t<T>, 2>& logsumexp,  // (Hq, Tq)
-    const Tensor<T, 3>& dout,                         // (Tq, Hq, Dv)
-    const std::vector<Index>& cu_seqlens_q, const std::vector<Index>& cu_seqlens_k,
-    const AttentionOptions<compute_scalar_t<T>>& options = {}) {
-  constexpr const char* function = "scaled_dot_product_attention_varlen_backward";
-  const auto tokens = [](auto& x) {  // const tensors give views of const T
-    return blhd_view(x.data(), 1, x.dimension(0), x.dimension(1), x.dimension(2));
-  };
-  if (logsumexp.dimension(0) != q.dimension(1) || logsumexp.dimension(1) != q.dimension(0)) {
-    detail::throw_invalid_argument(
-        function,
-        "logsumexp is " + detail::shape_string({logsumexp.dimension(0), logsumexp.dimension(1)}) +
-            " but must be " + detail::shape_string({q.dimension(1), q.dimension(0)}) + " (Hq, Tq)");
-  }
-  VarlenGradients<T> g;
-  g.dq.resize(q.dimensions());
-  g.dk.resize(k.dimensions());
-  g.dv.resize(v.dimensions());
-  if (!options.sinks.empty())
-    g.dsinks.resize(options.sinks.size());
-  detail::varlen_attention_backward_into<T>(tokens(q), tokens(k), tokens(v), tokens(out),
-                                            logsumexp.data(), tokens(dout), tokens(g.dq),
-                                            tokens(g.dk), tokens(g.dv), cu_seqlens_q, cu_seqlens_k,
-                                            options, g.dsinks.empty() ? nullptr : g.dsinks.data());
   return g;
 }
 

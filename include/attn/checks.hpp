@@ -1,12 +1,16 @@
 // attn/checks.hpp: the input checks every attention call shares (scaled-dot-product and
 // linear attention, the backward): q, k and v shapes, an output that must not alias its
-// inputs, and the scale; each throws std::invalid_argument naming the calling function.
+// inputs, the scale, and packed views; each throws std::invalid_argument naming the calling
+// function.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "attn/config.hpp"
 #include "attn/tensor.hpp"
@@ -82,6 +86,100 @@ void check_output_aliasing(const char* function, const HeadsView<const TQ>& q,
                                          ": out must be q itself (in place) or share no "
                                          "element with q, k and v");
   }
+}
+
+/// One view of a call as the packing check sees it.
+struct PackedRows {
+  const char* name;
+  const Index* row_offsets;  // (B + 1), or null for a padded view
+  Index batch, length;
+};
+
+template <class T>
+PackedRows packed_rows(const char* name, const HeadsView<T>& x) {
+  return {name, x.row_offsets, x.batch, x.length};
+}
+
+/// Whether a call runs on packed views (packed_view()). Throws unless every view is packed
+/// or none is; in each group (the query side: q, out, ...; the key side: k, v, ...) the views
+/// hold the same sequences (equal offsets, entry by entry) and the first view's offsets are a
+/// packed view's (from 0, non-decreasing, `length` the longest sequence), so that a view
+/// built by hand is held to what packed_view() checks.
+inline bool check_packing(const char* function, std::initializer_list<PackedRows> query_side,
+                          std::initializer_list<PackedRows> key_side) {
+  const PackedRows& first = *query_side.begin();
+  const bool packed = first.row_offsets != nullptr;
+  for (const auto& group : {query_side, key_side}) {
+    for (const PackedRows& x : group) {
+      if ((x.row_offsets != nullptr) != packed) {
+        const PackedRows& p = packed ? first : x;
+        const PackedRows& u = packed ? x : first;
+        throw_invalid_argument(function, std::string(p.name) + " is a packed view but " + u.name +
+                                             " is not: pass packed views (packed_view()) for "
+                                             "all tensors or for none");
+      }
+    }
+  }
+  if (!packed)
+    return false;
+  for (const auto& group : {query_side, key_side}) {
+    const PackedRows& lead = *group.begin();
+    const std::vector<Index> offsets(lead.row_offsets, lead.row_offsets + lead.batch + 1);
+    Index longest = 0;
+    for (Index b = 0; b < lead.batch; ++b)
+      longest = std::max(longest, lead.row_offsets[b + 1] - lead.row_offsets[b]);
+    if (offsets.front() != 0 || !std::is_sorted(offsets.begin(), offsets.end()) ||
+        longest != lead.length) {
+      throw_invalid_argument(function, std::string(lead.name) + "'s row offsets " +
+                                           list_string(offsets) + " with length " +
+                                           std::to_string(lead.length) +
+                                           " are not a packed view's: build it with packed_view()");
+    }
+    for (const PackedRows& x : group) {
+      if (x.batch != lead.batch || !std::equal(offsets.begin(), offsets.end(), x.row_offsets)) {
+        throw_invalid_argument(
+            function,
+            std::string(x.name) + " holds other sequences than " + lead.name + " (" +
+                list_string(std::vector<Index>(x.row_offsets, x.row_offsets + x.batch + 1)) +
+                " against " + list_string(offsets) + "): pack it with " + lead.name +
+                "'s cu_seqlens");
+      }
+    }
+  }
+  return true;
+}
+
+/// The options a packed call refuses: per-sequence lengths (the offsets give them), a
+/// keep-mask or a bias (a (B, H, Lq, Lk) tensor has no meaning on packed tokens).
+template <class MaskOptionsT>
+void check_packed_options(const char* function, const MaskOptionsT& options) {
+  if (!options.key_lengths.empty() || !options.query_lengths.empty()) {
+    throw_invalid_argument(function,
+                           "options.key_lengths and options.query_lengths must be empty on "
+                           "packed views: their row offsets give the lengths");
+  }
+  if (!options.keep_mask.empty() || !options.bias.empty()) {
+    throw_invalid_argument(function,
+                           "options.keep_mask and options.bias are not supported on packed "
+                           "views: pad the sequences, or express the mask with causal, window, "
+                           "sink tokens, ALiBi or a mask_mod");
+  }
+}
+
+/// The options of a packed call as the kernels see them: each sequence's query and key
+/// lengths from the views' offsets, so that every rule applies within a sequence.
+template <class MaskOptionsT, class TQ, class TKV>
+MaskOptionsT per_sequence_options(const MaskOptionsT& options,
+                                  const HeadsView<TQ>& q,     // packed (B, Hq, Lq, D)
+                                  const HeadsView<TKV>& k) {  // packed (B, Hkv, Lk, D)
+  MaskOptionsT per_sequence = options;
+  per_sequence.query_lengths.resize(static_cast<std::size_t>(q.batch));
+  per_sequence.key_lengths.resize(static_cast<std::size_t>(q.batch));
+  for (Index b = 0; b < q.batch; ++b) {
+    per_sequence.query_lengths[static_cast<std::size_t>(b)] = q.rows(b);
+    per_sequence.key_lengths[static_cast<std::size_t>(b)] = k.rows(b);
+  }
+  return per_sequence;
 }
 
 }  // namespace attn::detail

@@ -60,13 +60,7 @@
   X(attn::detail::attention_into<Eigen::half, Eigen::half, Eigen::half>)             \
   X(attn::detail::attention_into<Eigen::bfloat16, Eigen::bfloat16, Eigen::bfloat16>) \
   X(attn::detail::attention_into<Eigen::half, Eigen::half, float>)                   \
-  X(attn::detail::attention_into<Eigen::bfloat16, Eigen::bfloat16, float>)           \
-  X(attn::detail::varlen_attention_into<float, float, float>)                        \
-  X(attn::detail::varlen_attention_into<double, double, double>)                     \
-  X(attn::detail::varlen_attention_into<float, Eigen::half, float>)                  \
-  X(attn::detail::varlen_attention_into<float, Eigen::bfloat16, float>)              \
-  X(attn::detail::varlen_attention_into<Eigen::half, Eigen::half, Eigen::half>)      \
-  X(attn::detail::varlen_attention_into<Eigen::bfloat16, Eigen::bfloat16, Eigen::bfloat16>)
+  X(attn::detail::attention_into<Eigen::bfloat16, Eigen::bfloat16, float>)
 #define ATTN_DECODE_INSTANCES(X)                        \
   X(attn::detail::decode_attention<float, float>)       \
   X(attn::detail::decode_attention<double, double>)     \
@@ -74,15 +68,11 @@
   X(attn::detail::decode_attention<float, Eigen::bfloat16>)
 
 // --- Gradients (attn/attention_backward.hpp, attn/linear_attention.hpp) ---------------------
-#define ATTN_BACKWARD_INSTANCES(X)                             \
-  X(attn::detail::attention_backward_into<float>)              \
-  X(attn::detail::attention_backward_into<double>)             \
-  X(attn::detail::attention_backward_into<Eigen::half>)        \
-  X(attn::detail::attention_backward_into<Eigen::bfloat16>)    \
-  X(attn::detail::varlen_attention_backward_into<float>)       \
-  X(attn::detail::varlen_attention_backward_into<double>)      \
-  X(attn::detail::varlen_attention_backward_into<Eigen::half>) \
-  X(attn::detail::varlen_attention_backward_into<Eigen::bfloat16>)
+#define ATTN_BACKWARD_INSTANCES(X)                      \
+  X(attn::detail::attention_backward_into<float>)       \
+  X(attn::detail::attention_backward_into<double>)      \
+  X(attn::detail::attention_backward_into<Eigen::half>) \
+  X(attn::detail::attention_backward_into<Eigen::bfloat16>)
 #define ATTN_LINEAR_ATTENTION_INSTANCES(X)       \
   X(attn::linear_attention_into<float>)          \
   X(attn::linear_attention_into<double>)         \

@@ -154,8 +154,8 @@ class KVCache {
     }
     const Index rows = offsets.back(), width = kv_heads_ * dim_;
     std::vector<C> rotated(static_cast<std::size_t>(rows * width));
-    const HeadsView<C> packed =
-        detail::packed_view(blhd_view(rotated.data(), Index(1), rows, kv_heads_, dim_), offsets);
+    const HeadsView<C> packed = detail::unchecked_packed_view(
+        blhd_view(rotated.data(), Index(1), rows, kv_heads_, dim_), offsets);
     for (Index b = 0; b < batch_; ++b) {
       for (Index h = 0; h < kv_heads_; ++h) {
         const HeadMatrix<const U> from = keys.head(b, h);

@@ -502,7 +502,7 @@ class MultiHeadAttention {
   /// Self-attention over packed sequences: x (T, E) holds B sequences one after another,
   /// sequence b being rows [cu_seqlens[b], cu_seqlens[b + 1]) (FlashAttention's
   /// convention). One fused QKV GEMM over all T rows, attention per sequence through
-  /// scaled_dot_product_attention_varlen_into (no token sees another sequence's), one output
+  /// packed views (packed_view(); no token sees another sequence's), one output
   /// GEMM. Returns (T, E). Sequence b's rows equal forward() of that sequence alone (with the
   /// same `attention` options: e.g. Causal::top_left for forward()'s is_causal). `attention`
   /// may set causal, window, sink tokens, ALiBi, softcap, sinks, scale and the kernel; no
@@ -524,8 +524,8 @@ class MultiHeadAttention {
           function, "x is " + detail::shape_string({tokens, x.dimension(1)}) +
                         " but embed_dim is " + std::to_string(e) + ": widths differ");
     }
+    detail::check_sequence_offsets(function, "cu_seqlens", cu_seqlens, tokens);
     if (has_rotary()) {  // checked here: the rotation runs before the attention checks them
-      detail::check_sequence_offsets(function, "cu_seqlens", cu_seqlens, tokens);
       for (std::size_t b = 0; b + 1 < cu_seqlens.size(); ++b) {
         const Index n = cu_seqlens[b + 1] - cu_seqlens[b];
         if (n > rotary_.max_positions()) {
@@ -546,22 +546,24 @@ class MultiHeadAttention {
                         Eigen::OuterStride<>(in.weight().outerStride())),
         in.has_bias() ? in.bias().data() : nullptr,
         RowsMap<T>(qkv.data(), tokens, width, Eigen::OuterStride<>(width)));
-    Matrix<T> merged(tokens, e);  // (T, H, D) = (T, E)
-    const auto all = [&](const T* data, Index h) {
-      return HeadsView<const T>{data, 1, h, tokens, d, 0, d, width};
+    Matrix<T> merged(tokens, e);                       // (T, H, D) = (T, E)
+    const auto packed = [&](const T* data, Index h) {  // h heads of every token
+      return detail::unchecked_packed_view(HeadsView<const T>{data, 1, h, tokens, d, 0, d, width},
+                                           cu_seqlens);
     };
     if (has_rotary()) {  // each sequence's tokens at positions 0, 1, ... of their own
       for (const Index offset : {Index(0), e}) {
-        rotary_.apply(detail::packed_view(
+        rotary_.apply(detail::unchecked_packed_view(
             HeadsView<T>{column(qkv.data(), offset), 1, offset == 0 ? heads : kv_heads, tokens, d,
                          0, d, width},
             cu_seqlens));
       }
     }
-    scaled_dot_product_attention_varlen_into<T>(
-        all(qkv.data(), heads), all(column(qkv.data(), e), kv_heads),
-        all(column(qkv.data(), e + ekv), kv_heads), blhd_view(merged.data(), 1, tokens, heads, d),
-        cu_seqlens, cu_seqlens, attention);
+    scaled_dot_product_attention_into<T>(
+        packed(qkv.data(), heads), packed(column(qkv.data(), e), kv_heads),
+        packed(column(qkv.data(), e + ekv), kv_heads),
+        detail::unchecked_packed_view(blhd_view(merged.data(), 1, tokens, heads, d), cu_seqlens),
+        attention);
     Tensor<T, 2> output(tokens, e);
     out_proj_.apply_into(ConstRowsMap<T>(merged.data(), tokens, e, Eigen::OuterStride<>(e)),
                          RowsMap<T>(output.data(), tokens, e, Eigen::OuterStride<>(e)));

@@ -150,8 +150,8 @@ class RotaryEmbedding {
 
   /// Rotates x (B, H, L, D) in place, token t of sequence b at position offsets[b] + t
   /// (offsets (B); empty means 0 for every sequence, e.g. a prompt; a KV-cache decode step
-  /// passes each sequence's cached length). Packed views (row_offsets, as the varlen entry
-  /// point builds them) work too: sequence b has its own x.rows(b) tokens.
+  /// passes each sequence's cached length). Packed views (packed_view())
+  /// work too: sequence b has its own x.rows(b) tokens.
   template <class S>
   void apply(const HeadsView<S>& x,  // (B, H, L, D)
              const std::vector<Index>& offsets = {}) const {

@@ -62,9 +62,9 @@ HeadMatrixT middle_rows(HeadMatrixT m, Index first, Index count) {
 /// A (B, H, L, D) view over strided memory: free strides for B, H and L, unit stride for D.
 /// `T` is `const S` for inputs and `S` for outputs. Non-owning: the memory must outlive it.
 ///
-/// A packed view (detail::packed_view()) holds B sequences of different lengths one after
-/// another in (T, H, D) memory: `row_offsets` (B + 1 entries, FlashAttention's cu_seqlens)
-/// gives where each starts, sequence b has rows(b) rows and `length` is the longest.
+/// A packed view (packed_view()) holds B sequences of different lengths one after another
+/// in (T, H, D) memory: `row_offsets` (B + 1 entries, FlashAttention's cu_seqlens) gives
+/// where each starts, sequence b has rows(b) rows and `length` is the longest.
 template <class T>
 struct HeadsView {
   T* data = nullptr;
@@ -96,11 +96,32 @@ struct HeadsView {
 
 namespace detail {
 
-/// The view `tokens` (1, H, T, D) of all tokens as B = offsets.size() - 1 packed sequences,
-/// sequence b being rows [offsets[b], offsets[b + 1]). `offsets` must outlive the view and
-/// is not validated here (scaled_dot_product_attention_varlen_into does).
+/// Throws unless `offsets` are FlashAttention's cu_seqlens for `tokens` tokens: at least one
+/// entry, starting at 0, non-decreasing, ending at `tokens`.
+inline void check_sequence_offsets(const char* function, const char* name,
+                                   const std::vector<Index>& offsets, Index tokens) {
+  if (offsets.empty() || offsets.front() != 0) {
+    throw_invalid_argument(function, std::string(name) + " is " + list_string(offsets) +
+                                         ": it must have B + 1 >= 1 entries starting at 0");
+  }
+  for (std::size_t b = 0; b + 1 < offsets.size(); ++b) {
+    if (offsets[b + 1] < offsets[b]) {
+      throw_invalid_argument(function, std::string(name) + " is " + list_string(offsets) +
+                                           ": offsets must not decrease (entry " +
+                                           std::to_string(b + 1) + ")");
+    }
+  }
+  if (offsets.back() != tokens) {
+    throw_invalid_argument(function, std::string(name) + " is " + list_string(offsets) +
+                                         ": its last entry must equal the number of tokens, " +
+                                         std::to_string(tokens));
+  }
+}
+
+/// packed_view() without its checks, for offsets the caller has validated.
 template <class T>
-HeadsView<T> packed_view(HeadsView<T> tokens, const std::vector<Index>& offsets) {
+HeadsView<T> unchecked_packed_view(HeadsView<T> tokens,                  // (1, H, T, D)
+                                   const std::vector<Index>& offsets) {  // (B + 1)
   tokens.batch = offsets.empty() ? 0 : static_cast<Index>(offsets.size()) - 1;
   tokens.batch_stride = 0;
   tokens.row_offsets = offsets.data();
@@ -109,6 +130,47 @@ HeadsView<T> packed_view(HeadsView<T> tokens, const std::vector<Index>& offsets)
     tokens.length = std::max(tokens.length, tokens.rows(b));
   return tokens;
 }
+
+/// A packed view's memory as the (1, H, T, D) view of all its tokens; other views unchanged.
+/// What the overlap checks measure.
+template <class T>
+HeadsView<T> all_tokens(HeadsView<T> x) {
+  if (x.row_offsets == nullptr)
+    return x;
+  const Index tokens = x.batch == 0 ? 0 : x.row_offsets[x.batch] - x.row_offsets[0];
+  if (x.data != nullptr)
+    x.data += x.row_offsets[0] * x.row_stride;
+  return {x.data, 1, x.heads, tokens, x.dim, 0, x.head_stride, x.row_stride, nullptr};
+}
+
+}  // namespace detail
+
+/// Packed sequences as one view: `tokens` (1, H, T, D), e.g. blhd_view(data, 1, T, H, D) of
+/// (T, H, D) memory, read as B sequences one after another, sequence b being rows
+/// [cu_seqlens[b], cu_seqlens[b + 1]) (FlashAttention's varlen layout). The result is a
+/// (B, H, max length, D) view that every attention call accepts in place of a padded one.
+/// `cu_seqlens` (B + 1 entries from 0 to T, non-decreasing) is checked here and must outlive
+/// the view (a temporary does not compile).
+template <class T>
+HeadsView<T> packed_view(const HeadsView<T>& tokens,              // (1, H, T, D)
+                         const std::vector<Index>& cu_seqlens) {  // (B + 1)
+  constexpr const char* function = "packed_view";
+  if (tokens.batch != 1 || tokens.row_offsets != nullptr) {
+    detail::throw_invalid_argument(
+        function,
+        "tokens is " +
+            detail::shape_string({tokens.batch, tokens.heads, tokens.length, tokens.dim}) +
+            (tokens.row_offsets != nullptr ? ", already packed" : "") +
+            ": it must be the (1, H, T, D) view of all tokens (e.g. "
+            "blhd_view(data, 1, T, H, D))");
+  }
+  detail::check_sequence_offsets(function, "cu_seqlens", cu_seqlens, tokens.length);
+  return detail::unchecked_packed_view(tokens, cu_seqlens);
+}
+template <class T>
+HeadsView<T> packed_view(const HeadsView<T>& tokens, std::vector<Index>&& cu_seqlens) = delete;
+
+namespace detail {
 
 /// Where the kernels write per-row values (the log-sum-exp): (B, H, L) contiguous for padded
 /// problems, (H, T) for packed ones (FlashAttention's varlen layout); null = not wanted.
@@ -166,6 +228,27 @@ HeadsView<S> bhld_view(const Eigen::TensorMap<Eigen::Tensor<S, 4, Eigen::RowMajo
   return bhld_view(t.data(), t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3));
 }
 
+/// packed_view() of (T, H, D) tensors: the usual storage of packed tokens.
+template <class S>
+HeadsView<const S> packed_view(const Tensor<S, 3>& tokens,              // (T, H, D)
+                               const std::vector<Index>& cu_seqlens) {  // (B + 1)
+  return packed_view(
+      blhd_view(tokens.data(), 1, tokens.dimension(0), tokens.dimension(1), tokens.dimension(2)),
+      cu_seqlens);
+}
+template <class S>
+HeadsView<S> packed_view(Tensor<S, 3>& tokens,                    // (T, H, D)
+                         const std::vector<Index>& cu_seqlens) {  // (B + 1)
+  return packed_view(
+      blhd_view(tokens.data(), 1, tokens.dimension(0), tokens.dimension(1), tokens.dimension(2)),
+      cu_seqlens);
+}
+template <class S>
+HeadsView<const S> packed_view(const Tensor<S, 3>& tokens,
+                               std::vector<Index>&& cu_seqlens) = delete;
+template <class S>
+HeadsView<S> packed_view(Tensor<S, 3>& tokens, std::vector<Index>&& cu_seqlens) = delete;
+
 namespace detail {
 
 /// Recognises the rank-4 row-major tensors and maps the batched API accepts.
@@ -204,11 +287,12 @@ inline constexpr bool is_rank4_tensor_v = rank4_tensor<X>::value;
 template <class X>
 using rank4_scalar_t = typename rank4_tensor<X>::scalar;
 
-/// False when views a and b cannot share an element: their address ranges are disjoint, or
-/// both are disjoint column blocks of the same rows of a row-major buffer (e.g. the q, k and
-/// v blocks of a fused QKV buffer). True otherwise (conservative: they may overlap).
+/// False when views a and b (padded or packed) cannot share an element: their address ranges are
+/// disjoint, or both are disjoint column blocks of the same rows of a row-major buffer (e.g. the q,
+/// k and v blocks of a fused QKV buffer). True otherwise (conservative: they may overlap).
 template <class S>
-bool views_may_overlap(const HeadsView<const S>& a, const HeadsView<const S>& b) {
+bool views_may_overlap(const HeadsView<const S>& a_view, const HeadsView<const S>& b_view) {
+  const HeadsView<const S> a = all_tokens(a_view), b = all_tokens(b_view);
   const auto empty = [](const HeadsView<const S>& x) {
     return x.batch == 0 || x.heads == 0 || x.length == 0 || x.dim == 0;
   };
@@ -238,7 +322,9 @@ bool views_may_overlap(const HeadsView<const S>& a, const HeadsView<const S>& b)
 
 /// Whether two views of different scalars may share memory: their byte ranges overlap.
 template <class A, class B>
-bool byte_ranges_overlap(const HeadsView<const A>& a, const HeadsView<const B>& b) {
+bool byte_ranges_overlap(const HeadsView<const A>& a_view, const HeadsView<const B>& b_view) {
+  const HeadsView<const A> a = all_tokens(a_view);
+  const HeadsView<const B> b = all_tokens(b_view);
   const auto bytes = [](const auto& x) {  // [first, last) byte addresses, empty if no element
     using S = std::remove_const_t<std::remove_pointer_t<decltype(x.data)>>;
     const Index elements = x.batch == 0 || x.heads == 0 || x.length == 0 || x.dim == 0

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <attn/attn.hpp>
@@ -113,15 +114,22 @@ void backward(std::uint32_t seed) {
              v = random<T, 3>({120, 2, 12}, seed + 6), dout = random<T, 3>({90, 4, 12}, seed + 7);
   attn::AttentionOptions<C> o;
   o.causal = attn::Causal::bottom_right;
-  attn::Tensor<C, 2> lse;
-  const auto out = attn::scaled_dot_product_attention_varlen(q, k, v, cu_q, cu_k, o, &lse);
+  using attn::packed_view;
+  attn::Tensor<C, 2> lse(4, 90);      // (Hq, Tq)
+  attn::Tensor<T, 3> out(90, 4, 12);  // (Tq, Hq, Dv)
+  attn::scaled_dot_product_attention_into<T>(packed_view(q, cu_q), packed_view(k, cu_k),
+                                             packed_view(v, cu_k), packed_view(out, cu_q), o,
+                                             nullptr, lse.data());
   mix(out);
   mix(lse);
-  const auto g =
-      attn::scaled_dot_product_attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, o);
-  mix(g.dq);
-  mix(g.dk);
-  mix(g.dv);
+  attn::Tensor<T, 3> dq(q.dimensions()), dk(k.dimensions()), dv(v.dimensions());
+  attn::scaled_dot_product_attention_backward_into<T>(
+      packed_view(q, cu_q), packed_view(k, cu_k), packed_view(v, cu_k),
+      packed_view(std::as_const(out), cu_q), lse.data(), packed_view(dout, cu_q),
+      packed_view(dq, cu_q), packed_view(dk, cu_k), packed_view(dv, cu_k), o);
+  mix(dq);
+  mix(dk);
+  mix(dv);
 }
 
 template <class T>
