@@ -3,7 +3,8 @@
 // scaled_dot_product_attention is finite and every element lies between the smallest and
 // largest value of its column of v, up to rounding (attention outputs are convex
 // combinations of v's rows), and, when the project says what to expect
-// (ATTN_CONSUMER_EXPECT_OPENMP), unless attn sees OpenMP exactly when the consumer enabled it.
+// (ATTN_CONSUMER_EXPECT_OPENMP), unless attn sees OpenMP exactly when the consumer enabled it;
+// and unless attn::gallery::causal() from the same header masks query 0 to key 0.
 #include <attn/attn.hpp>
 
 // attn/attn.hpp leaves out attn/safetensors.hpp, so attn::attn needs no JSON library.
@@ -55,6 +56,16 @@ int main() {
         return 1;
       }
     }
+  }
+  // The umbrella header includes the gallery of mask_mods: causally, query 0 sees key 0 only,
+  // so its output is v's row 0 exactly (one weight of 1).
+  attn::AttentionOptions<float> causal;
+  causal.mask_mod = attn::MaskMod(attn::gallery::causal());
+  const attn::Matrix<float> causal_out = attn::scaled_dot_product_attention(q, k, v, causal);
+  if (causal_out(0, 0) != v(0, 0) || causal_out(0, 1) != v(0, 1) ||
+      !causal_out.row(1).isApprox(out.row(1), 1e-6f)) {  // query 1 sees both keys
+    std::cerr << "attn_consumer: attention with gallery::causal() gave\n" << causal_out << "\n";
+    return 1;
   }
   std::cout << "attn_consumer: ok\n" << out << "\n";
   return 0;
