@@ -29,11 +29,9 @@ KNOWN = {
     "multihead.hpp": 1228,
     "safetensors.hpp": 1025,
     "projection.hpp": 940,
-    "viz.hpp": 889,
     "kernels/simd/tile_products.inl": 738,
 }
 KNOWN_FUNCTIONS = {
-    "viz.hpp:render": 446,
     "multihead.hpp:backward_impl": 174,
     "linear_attention.hpp:linear_backward_kv_head": 162,
 }
