@@ -64,146 +64,13 @@
 #include "attn/init.hpp"
 #include "attn/kv_cache.hpp"
 #include "attn/mask.hpp"
+#include "attn/multihead/arguments.hpp"
 #include "attn/precision.hpp"
 #include "attn/projection.hpp"
 #include "attn/rope.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn {
-
-/// Constructor arguments of torch.nn.MultiheadAttention, plus grouped-query attention.
-struct MultiHeadAttentionConfig {
-  Index embed_dim = 0;         ///< E
-  Index num_heads = 1;         ///< H; must divide E
-  Index num_kv_heads = 0;      ///< Hkv (grouped-query; 1 = multi-query); 0 means H
-  Index kdim = 0;              ///< key input width; 0 means E
-  Index vdim = 0;              ///< value input width; 0 means E
-  bool bias = true;            ///< biases on the input and output projections
-  bool add_bias_kv = false;    ///< append a learned key/value row (bias_k, bias_v) to k and v
-  bool add_zero_attn = false;  ///< append a zero key/value row to k and v
-  std::uint64_t seed = 0;      ///< seed of the default initialisation (std::mt19937_64)
-  /// Rotary position embeddings on q and k (none by default: torch's module). Its dim is
-  /// the head dim D = E / H (0 means D); rotary_dim, base, pairing, scaling as in RopeConfig.
-  std::optional<RopeConfig> rotary;
-};
-
-/// A non-owning view of a rank-2 or rank-3 row-major tensor (a mask argument). The data
-/// must outlive the call.
-template <class T>
-class MaskArg {
- public:
-  MaskArg() = default;
-  MaskArg(const T* data, std::vector<Index> shape) : data_(data), shape_(std::move(shape)) {}
-  // NOLINTBEGIN(google-explicit-constructor): converting from a tensor is the intended use.
-  MaskArg(const Tensor<T, 2>& t) : MaskArg(t.data(), {t.dimension(0), t.dimension(1)}) {}
-  MaskArg(const Tensor<T, 3>& t)
-      : MaskArg(t.data(), {t.dimension(0), t.dimension(1), t.dimension(2)}) {}
-  // NOLINTEND(google-explicit-constructor)
-  MaskArg(Tensor<T, 2>&&) = delete;  // a view of a temporary would dangle
-  MaskArg(Tensor<T, 3>&&) = delete;
-
-  bool empty() const { return data_ == nullptr; }
-  const T* data() const { return data_; }
-  const std::vector<Index>& shape() const { return shape_; }
-  std::string shape_string() const { return detail::list_string(shape_); }
-
- private:
-  const T* data_ = nullptr;
-  std::vector<Index> shape_;
-};
-
-/// Everything about a forward call except the three inputs. See the MASK POLARITY note at
-/// the top of this file: the bool masks here are true = IGNORE / NOT ALLOWED.
-template <class T>
-struct MultiHeadForwardOptions {
-  MaskArg<bool> key_padding_mask;  ///< (B, S); TRUE = IGNORE the key (PyTorch MHA polarity)
-  MaskArg<bool> attn_mask;         ///< (L, S) or (B*H, L, S); TRUE = NOT ALLOWED (PyTorch MHA)
-  MaskArg<T> float_attn_mask;      ///< (L, S) or (B*H, L, S); added to the scores
-  bool is_causal = false;          ///< top-left causal mask (query i sees keys j <= i)
-  bool need_weights = false;       ///< also return the attention weights (torch's default is true)
-  bool average_attn_weights = true;  ///< weights averaged over heads (B, L, S') or per head
-  /// Attention dropout (torch's `dropout`, applied here whenever it is > 0: pass 0 for
-  /// evaluation): each weight dropped with probability dropout_p, the kept ones scaled by
-  /// 1 / (1 - dropout_p), by the rule of attn/dropout.hpp (seeded, not torch's generator).
-  double dropout_p = 0;
-  std::uint64_t dropout_seed = 0;  ///< the dropout's seed (docs/training.md#dropout)
-};
-
-/// The result of a forward call.
-template <class T>
-struct MultiHeadAttentionOutput {
-  Tensor<T, 3> output;            ///< (B, L, E)
-  Tensor<T, 3> averaged_weights;  ///< need_weights && average_attn_weights: (B, L, S'),
-                                  ///< the mean over heads (torch's default); else empty
-  Tensor<T, 4> weights;           ///< need_weights && !average_attn_weights: (B, H, L, S')
-                                  ///< per head; else empty
-};
-
-/// Scratch buffers of a forward call; reuse one across calls of the same shape to avoid
-/// allocating (e.g. in a benchmark loop). Not shareable between concurrent calls.
-template <class T>
-struct MultiHeadWorkspace {
-  Matrix<T> qkv;                        // fused self-attention: (B*(L + extra), E + 2*Ekv)
-  Matrix<T> q;                          // otherwise: (B*L, E)
-  Matrix<T> kv;                         // otherwise: (B*S', 2*Ekv)
-  Matrix<T> attn;                       // (B*L, E) = (B, L, H, D): attention output, heads merged
-  Tensor<bool, 4> keep;                 // combined keep-mask (SDPA polarity), when needed
-  Tensor<compute_scalar_t<T>, 4> bias;  // padded (or widened) additive mask
-  Tensor<compute_scalar_t<T>, 4> head_weights;  // (B, H, L, S'): for averaging, or 16-bit T
-};
-
-/// What MultiHeadAttention::backward needs from a forward_train call. Memory, with
-/// S' = S + add_bias_kv + add_zero_attn: a copy of the inputs (B*L*E for self-attention;
-/// B*(L*E + S*(kdim + vdim)) otherwise), the projections as the attention read them (after
-/// the rotation): B*(L + extra)*(E + 2*Ekv) for self-attention, B*(L*E + S'*2*Ekv)
-/// otherwise, the attention output before out_proj B*L*E, the log-sum-exp B*H*L in the
-/// compute scalar, and the combined masks when there are masks (bool keep-mask up to
-/// B*H*L*S', float mask up to B*H*L*S'). For self-attention at B*L tokens without masks
-/// that is B*L*(3E + 2*Ekv) scalars plus B*H*L.
-template <class T>
-struct MultiHeadAttentionContext {
-  const void* module = nullptr;     ///< the module whose forward_train filled it
-  bool self_attention = false;      ///< query, key and value were one tensor (one gradient)
-  Tensor<T, 3> query;               ///< (B, L, E), the forward's input
-  Tensor<T, 3> key;                 ///< (B, S, kdim); empty for self-attention
-  Tensor<T, 3> value;               ///< (B, S, vdim); empty for self-attention
-  MultiHeadWorkspace<T> workspace;  ///< projections (qkv, or q and kv), attn, keep, bias
-  Tensor<compute_scalar_t<T>, 3> logsumexp;  ///< (B, H, L) of the attention
-  Causal causal = Causal::none;              ///< the attention's causal mask
-  double dropout_p = 0;
-  std::uint64_t dropout_seed = 0;
-  bool empty() const { return module == nullptr; }
-};
-
-/// The result of forward_train: the forward's output and what backward needs.
-template <class T>
-struct MultiHeadAttentionTrainingOutput {
-  Tensor<T, 3> output;                   ///< (B, L, E), as forward() returns it
-  MultiHeadAttentionContext<T> context;  ///< pass to backward() with dL/d output
-};
-
-/// One entry of a PyTorch-style state_dict: shape and row-major data.
-template <class T>
-struct StateTensor {
-  std::vector<Index> shape;
-  std::vector<T> data;
-};
-
-/// PyTorch state_dict layout: name -> tensor (see the weight layouts at the top).
-template <class T>
-using StateDict = std::map<std::string, StateTensor<T>>;
-
-/// The gradients MultiHeadAttention::backward returns.
-template <class T>
-struct MultiHeadAttentionGradients {
-  Tensor<T, 3> d_query;  ///< (B, L, E); self-attention: the sum of the q, k and v paths
-  Tensor<T, 3> d_key;    ///< (B, S, kdim); empty for self-attention
-  Tensor<T, 3> d_value;  ///< (B, S, vdim); empty for self-attention
-  /// The parameters' gradients keyed and shaped exactly as state_dict() (torch's .grad of
-  /// each parameter): in_proj_weight or q/k/v_proj_weight, in_proj_bias, bias_k, bias_v,
-  /// out_proj.weight, out_proj.bias, as the module has them.
-  StateDict<T> parameters;
-};
 
 /// Multi-head attention (batch first), torch.nn.MultiheadAttention's numbers.
 template <class T>
@@ -805,6 +672,96 @@ class MultiHeadAttention {
     return attention;
   }
 
+  /// Where backward_impl keeps the attention's gradients: the forward's projection-buffer
+  /// layout (self-attention: the q | k | v column blocks of one buffer of `width` columns,
+  /// `rows_per_batch` rows a sequence; cross-attention: k | v, and dq apart).
+  struct GradientLayout {
+    bool self;
+    Index batch, q_length, k_length;
+    Index extra;  ///< rows appended to k and v (add_bias_kv, add_zero_attn)
+    Index rows_per_batch, width, kv_col;
+  };
+
+  /// The options of the attention's backward: the forward's masks (kept in its workspace),
+  /// causal flag and dropout.
+  static AttentionOptions<C> backward_attention_options(
+      const MultiHeadAttentionContext<T>& context) {
+    const MultiHeadWorkspace<T>& ws = context.workspace;
+    AttentionOptions<C> attention;
+    attention.causal = context.causal;
+    if (ws.keep.size() > 0) {
+      attention.keep_mask = Broadcast<bool>(
+          ws.keep.data(),
+          {ws.keep.dimension(0), ws.keep.dimension(1), ws.keep.dimension(2), ws.keep.dimension(3)});
+    }
+    if (ws.bias.size() > 0) {
+      attention.bias = Broadcast<C>(ws.bias.data(), {ws.bias.dimension(0), ws.bias.dimension(1),
+                                                     ws.bias.dimension(2), ws.bias.dimension(3)});
+    }
+    attention.dropout_p = static_cast<C>(context.dropout_p);
+    attention.dropout_seed = context.dropout_seed;
+    return attention;
+  }
+
+  /// in_proj's backward: grads.d_query (and d_key, d_value) and in_grads from the attention's
+  /// gradients d_qkv (and d_q) in `layout`. One call over all rows when no row was appended
+  /// (self-attention: the one-GEMM fused path), else one per sequence.
+  void in_projection_backward(const MultiHeadAttentionContext<T>& context,
+                              const GradientLayout& layout, const Matrix<T>& d_qkv,
+                              const Matrix<T>& d_q, MultiHeadAttentionGradients<T>& grads,
+                              QKVProjectionGradients<T>& in_grads) const {
+    const auto [self, batch, q_length, k_length, extra, rows_per_batch, width, kv_col] = layout;
+    const Tensor<T, 3>& query = context.query;
+    const Tensor<T, 3>& key = self ? query : context.key;
+    const Tensor<T, 3>& value = self ? query : context.value;
+    const Index e = config_.embed_dim, ekv = kv_width(), tokens = batch * q_length;
+    grads.d_query.resize(batch, q_length, e);
+    if (!self) {
+      grads.d_key.resize(batch, k_length, config_.kdim);
+      grads.d_value.resize(batch, k_length, config_.vdim);
+    }
+    const T* dq_data = self ? d_qkv.data() : d_q.data();
+    const Index dq_stride = self ? width : e, dq_rows_per_batch = self ? rows_per_batch : q_length;
+    const Index parts = extra == 0 ? 1 : batch;  // row ranges of one call
+    const Index q_rows = extra == 0 ? tokens : q_length,
+                k_rows = extra == 0 ? batch * k_length : k_length;
+    for (Index part = 0; part < parts; ++part) {
+      const auto rows = [&](const Tensor<T, 3>& x, Index length, Index count) {
+        const Index w = x.dimension(2);
+        return ConstRowsMap<T>(x.data() + part * length * w, count, w, Eigen::OuterStride<>(w));
+      };
+      const auto grad_rows = [&](Tensor<T, 3>& g, Index length, Index count) {
+        const Index w = g.dimension(2);
+        return RowsMap<T>(g.data() + part * length * w, count, w, Eigen::OuterStride<>(w));
+      };
+      // A gradient block: `cols` columns of rows `stride` apart, `rows_per` rows a sequence.
+      const auto d_rows = [&](const T* base, Index rows_per, Index stride, Index count,
+                              Index cols) {
+        return ConstRowsMap<T>(base + part * rows_per * stride, count, cols,
+                               Eigen::OuterStride<>(stride));
+      };
+      const T* dkv_data = d_qkv.data();
+      const ConstRowsMap<T> dq_r = d_rows(dq_data, dq_rows_per_batch, dq_stride, q_rows, e);
+      const ConstRowsMap<T> dk_r =
+          d_rows(column(dkv_data, kv_col), rows_per_batch, width, k_rows, ekv);
+      const ConstRowsMap<T> dv_r =
+          d_rows(column(dkv_data, kv_col + ekv), rows_per_batch, width, k_rows, ekv);
+      const bool accumulate = part > 0;
+      RowsMap<T> dx_q = grad_rows(grads.d_query, q_length, q_rows);
+      if (self) {
+        const ConstRowsMap<T> x = rows(query, q_length, q_rows);
+        in_proj_.backward_into(x, x, x, dq_r, dk_r, dv_r, &dx_q, &dx_q, &dx_q, in_grads,
+                               accumulate);
+      } else {
+        RowsMap<T> dx_k = grad_rows(grads.d_key, k_length, k_rows);
+        RowsMap<T> dx_v = grad_rows(grads.d_value, k_length, k_rows);
+        in_proj_.backward_into(rows(query, q_length, q_rows), rows(key, k_length, k_rows),
+                               rows(value, k_length, k_rows), dq_r, dk_r, dv_r, &dx_q, &dx_k, &dx_v,
+                               in_grads, accumulate);
+      }
+    }
+  }
+
   void backward_impl(const MultiHeadAttentionContext<T>& context,
                      const Tensor<T, 3>& d_output,  // (B, L, E)
                      MultiHeadAttentionGradients<T>& grads) const {
@@ -822,7 +779,6 @@ class MultiHeadAttention {
     const Tensor<T, 3>& query = context.query;
     const bool self = context.self_attention;
     const Tensor<T, 3>& key = self ? query : context.key;
-    const Tensor<T, 3>& value = self ? query : context.value;
     const Index batch = query.dimension(0), q_length = query.dimension(1),
                 k_length = key.dimension(1);
     const Index extra = Index(config_.add_bias_kv) + Index(config_.add_zero_attn);
@@ -872,19 +828,7 @@ class MultiHeadAttention {
         strided(column(d_qkv.data(), kv_col), batch, kv_length, kv_heads, d, rows_per_batch, width);
     dvv = strided(column(d_qkv.data(), kv_col + ekv), batch, kv_length, kv_heads, d, rows_per_batch,
                   width);
-    AttentionOptions<C> attention;
-    attention.causal = context.causal;
-    if (ws.keep.size() > 0) {
-      attention.keep_mask = Broadcast<bool>(
-          ws.keep.data(),
-          {ws.keep.dimension(0), ws.keep.dimension(1), ws.keep.dimension(2), ws.keep.dimension(3)});
-    }
-    if (ws.bias.size() > 0) {
-      attention.bias = Broadcast<C>(ws.bias.data(), {ws.bias.dimension(0), ws.bias.dimension(1),
-                                                     ws.bias.dimension(2), ws.bias.dimension(3)});
-    }
-    attention.dropout_p = static_cast<C>(context.dropout_p);
-    attention.dropout_seed = context.dropout_seed;
+    const AttentionOptions<C> attention = backward_attention_options(context);
     scaled_dot_product_attention_backward_into<T>(
         qv, kv, vv, blhd_view(static_cast<const T*>(ws.attn.data()), batch, q_length, heads, d),
         context.logsumexp.data(),
@@ -915,54 +859,11 @@ class MultiHeadAttention {
       put("bias_v", {1, 1, ekv}, bv.data());
     }
 
-    // in_proj: the input gradients and the in_proj_* gradients. One call over all rows when
-    // no row was appended (self-attention: the one-GEMM fused path), else one per sequence.
-    grads.d_query.resize(batch, q_length, e);
-    if (!self) {
-      grads.d_key.resize(batch, k_length, config_.kdim);
-      grads.d_value.resize(batch, k_length, config_.vdim);
-    }
+    // in_proj: the input gradients and the in_proj_* gradients.
     QKVProjectionGradients<T> in_grads;
-    const T* dq_data = self ? d_qkv.data() : d_q.data();
-    const Index dq_stride = self ? width : e, dq_rows_per_batch = self ? rows_per_batch : q_length;
-    const Index parts = extra == 0 ? 1 : batch;  // row ranges of one call
-    const Index q_rows = extra == 0 ? tokens : q_length,
-                k_rows = extra == 0 ? batch * k_length : k_length;
-    for (Index part = 0; part < parts; ++part) {
-      const auto rows = [&](const Tensor<T, 3>& x, Index length, Index count) {
-        const Index w = x.dimension(2);
-        return ConstRowsMap<T>(x.data() + part * length * w, count, w, Eigen::OuterStride<>(w));
-      };
-      const auto grad_rows = [&](Tensor<T, 3>& g, Index length, Index count) {
-        const Index w = g.dimension(2);
-        return RowsMap<T>(g.data() + part * length * w, count, w, Eigen::OuterStride<>(w));
-      };
-      // A gradient block: `cols` columns of rows `stride` apart, `rows_per` rows a sequence.
-      const auto d_rows = [&](const T* base, Index rows_per, Index stride, Index count,
-                              Index cols) {
-        return ConstRowsMap<T>(base + part * rows_per * stride, count, cols,
-                               Eigen::OuterStride<>(stride));
-      };
-      const T* dkv_data = d_qkv.data();
-      const ConstRowsMap<T> dq_r = d_rows(dq_data, dq_rows_per_batch, dq_stride, q_rows, e);
-      const ConstRowsMap<T> dk_r =
-          d_rows(column(dkv_data, kv_col), rows_per_batch, width, k_rows, ekv);
-      const ConstRowsMap<T> dv_r =
-          d_rows(column(dkv_data, kv_col + ekv), rows_per_batch, width, k_rows, ekv);
-      const bool accumulate = part > 0;
-      RowsMap<T> dx_q = grad_rows(grads.d_query, q_length, q_rows);
-      if (self) {
-        const ConstRowsMap<T> x = rows(query, q_length, q_rows);
-        in_proj_.backward_into(x, x, x, dq_r, dk_r, dv_r, &dx_q, &dx_q, &dx_q, in_grads,
-                               accumulate);
-      } else {
-        RowsMap<T> dx_k = grad_rows(grads.d_key, k_length, k_rows);
-        RowsMap<T> dx_v = grad_rows(grads.d_value, k_length, k_rows);
-        in_proj_.backward_into(rows(query, q_length, q_rows), rows(key, k_length, k_rows),
-                               rows(value, k_length, k_rows), dq_r, dk_r, dv_r, &dx_q, &dx_k, &dx_v,
-                               in_grads, accumulate);
-      }
-    }
+    in_projection_backward(context,
+                           {self, batch, q_length, k_length, extra, rows_per_batch, width, kv_col},
+                           d_qkv, d_q, grads, in_grads);
     const auto put_matrix = [&](const std::string& name, const Matrix<T>& m) {  // (out, in)
       put(name, {m.rows(), m.cols()}, m.data());
     };
