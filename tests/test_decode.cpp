@@ -463,15 +463,19 @@ TEST_CASE("KVCache validates every argument", "[kv_cache][isa]") {
     Heads<float> q(qb, qh, ql, qd), out(ob, oh, ol, od);
     cache.attend_into(q.cview(), out.view(), o);
   };
-  const std::string cache_tail = tail;
+  // The rules and words of scaled_dot_product_attention, k and v being the cache's.
+  const std::string cached = ", k (cached) is [2, 2, 2, 4], v (cached) is [2, 2, 2, 3]";
   REQUIRE_THROWS_WITH(attend(1, 4, 1, 4, 1, 4, 1, 3),
-                      "KVCache::attend: q is [1, 4, 1, 4], out is [1, 4, 1, 3]" + cache_tail +
-                          ": batch sizes differ");
-  REQUIRE_THROWS_WITH(attend(2, 4, 1, 5, 2, 4, 1, 3),
-                      Contains(": q and the keys' head dims differ"));
+                      "KVCache::attend: q is [1, 4, 1, 4]" + cached + ": batch sizes differ");
+  REQUIRE_THROWS_WITH(
+      attend(2, 4, 1, 5, 2, 4, 1, 3),
+      "KVCache::attend: q is [2, 4, 1, 5]" + cached + ": q and k (cached) head dims differ");
   REQUIRE_THROWS_WITH(attend(2, 3, 1, 4, 2, 3, 1, 3),
-                      Contains(": query heads must be a positive multiple of key/value heads"));
-  REQUIRE_THROWS_WITH(attend(2, 4, 1, 4, 2, 4, 1, 4), Contains(": out must be (B, Hq, Lq, Dv)"));
+                      "KVCache::attend: q is [2, 3, 1, 4]" + cached +
+                          ": query heads (3) must be a multiple of key/value heads (2)");
+  REQUIRE_THROWS_WITH(
+      attend(2, 4, 1, 4, 2, 4, 1, 4),
+      "KVCache::attend: out is [2, 4, 1, 4] but must be [2, 4, 1, 3] (B, Hq, Lq, Dv)");
   REQUIRE_THROWS_WITH(attend(2, 4, 3, 4, 2, 4, 3, 3),
                       Contains(": 3 queries but sequence 0 holds only 2 tokens (append the new "
                                "tokens first)"));

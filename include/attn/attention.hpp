@@ -97,12 +97,7 @@ void attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
   const bool packed = check_packing(function, {packed_rows("q", q), packed_rows("out", out)},
                                     {packed_rows("k", k), packed_rows("v", v)});
   check_attention_shapes(function, q, k, v);
-  if (out.batch != q.batch || out.heads != q.heads || out.length != q.length || out.dim != v.dim) {
-    throw_invalid_argument(function,
-                           "out is " + shape_string({out.batch, out.heads, out.length, out.dim}) +
-                               " but must be " + shape_string({q.batch, q.heads, q.length, v.dim}) +
-                               " (B, Hq, Lq, Dv)");
-  }
+  check_output_shape(function, q, v.dim, out);
   check_output_aliasing(function, q, k, v, out);
   if (packed) {
     check_packed_options(function, options);

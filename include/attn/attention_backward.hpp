@@ -76,13 +76,7 @@ void check_backward_arguments(const char* function,
   const std::array<Index, 4> out_shape{q.batch, q.heads, q.length, v.dim};
   const auto expect = [&](const char* name, const std::array<Index, 4>& actual,
                           const std::array<Index, 4>& wanted, const char* legend) {
-    if (actual != wanted) {
-      throw_invalid_argument(
-          function, std::string(name) + " is " +
-                        shape_string({actual[0], actual[1], actual[2], actual[3]}) +
-                        " but must be " +
-                        shape_string({wanted[0], wanted[1], wanted[2], wanted[3]}) + " " + legend);
-    }
+    check_shape(function, name, actual, wanted, legend);
   };
   expect("out", out.shape(), out_shape, "(B, Hq, Lq, Dv)");
   expect("dout", dout.shape(), out_shape, "(B, Hq, Lq, Dv)");

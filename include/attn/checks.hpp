@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <initializer_list>
 #include <optional>
@@ -18,31 +19,55 @@
 namespace attn::detail {
 
 /// Throws unless q (B, Hq, Lq, D), k (B, Hkv, Lk, D) and v (B, Hkv, Lk, Dv) agree: one batch,
-/// one head dim of q and k (at least 1), k and v alike, Hq a multiple of Hkv.
+/// one head dim of q and k (at least 1), k and v alike, Hq a multiple of Hkv. Every call
+/// that takes q, k and v words these rules so; `k_name` and `v_name` say where k and v come
+/// from when the caller did not pass them (KVCache::attend: "k (cached)").
 template <class TQ, class TKV>
 void check_attention_shapes(const char* function, const HeadsView<const TQ>& q,
-                            const HeadsView<const TKV>& k, const HeadsView<const TKV>& v) {
+                            const HeadsView<const TKV>& k, const HeadsView<const TKV>& v,
+                            const char* k_name = "k", const char* v_name = "v") {
+  const std::string kn = k_name, vn = v_name;
   const auto shapes = [&] {
-    return "q is " + shape_string({q.batch, q.heads, q.length, q.dim}) + ", k is " +
-           shape_string({k.batch, k.heads, k.length, k.dim}) + ", v is " +
+    return "q is " + shape_string({q.batch, q.heads, q.length, q.dim}) + ", " + kn + " is " +
+           shape_string({k.batch, k.heads, k.length, k.dim}) + ", " + vn + " is " +
            shape_string({v.batch, v.heads, v.length, v.dim});
   };
   if (q.batch != k.batch || q.batch != v.batch) {
     throw_invalid_argument(function, shapes() + ": batch sizes differ");
   }
   if (q.dim != k.dim)
-    throw_invalid_argument(function, shapes() + ": q and k head dims differ");
+    throw_invalid_argument(function, shapes() + ": q and " + kn + " head dims differ");
   if (q.dim < 1)
     throw_invalid_argument(function, shapes() + ": the head dim must be positive");
   if (k.heads != v.heads)
-    throw_invalid_argument(function, shapes() + ": k and v head counts differ");
+    throw_invalid_argument(function, shapes() + ": " + kn + " and " + vn + " head counts differ");
   if (k.length != v.length)
-    throw_invalid_argument(function, shapes() + ": k and v lengths differ");
+    throw_invalid_argument(function, shapes() + ": " + kn + " and " + vn + " lengths differ");
   if (k.heads == 0 ? q.heads != 0 : q.heads % k.heads != 0) {
     throw_invalid_argument(function, shapes() + ": query heads (" + std::to_string(q.heads) +
                                          ") must be a multiple of key/value heads (" +
                                          std::to_string(k.heads) + ")");
   }
+}
+
+/// Throws unless the view `name` has the shape `wanted`; `legend` names its axes, e.g.
+/// "(B, Hq, Lq, Dv)". One wording for every output and gradient shape.
+inline void check_shape(const char* function, const char* name, const std::array<Index, 4>& actual,
+                        const std::array<Index, 4>& wanted, const char* legend) {
+  if (actual != wanted) {
+    throw_invalid_argument(
+        function, std::string(name) + " is " +
+                      shape_string({actual[0], actual[1], actual[2], actual[3]}) + " but must be " +
+                      shape_string({wanted[0], wanted[1], wanted[2], wanted[3]}) + " " + legend);
+  }
+}
+
+/// Throws unless out is (B, Hq, Lq, Dv): q's batch, heads and length, the values' head dim.
+template <class TQ, class TO>
+void check_output_shape(const char* function, const HeadsView<const TQ>& q, Index value_dim,
+                        const HeadsView<TO>& out) {
+  check_shape(function, "out", out.shape(), {q.batch, q.heads, q.length, value_dim},
+              "(B, Hq, Lq, Dv)");
 }
 
 /// The scale given, or 1 / sqrt(dim) without one; throws unless it is finite.

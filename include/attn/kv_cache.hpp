@@ -205,22 +205,10 @@ class KVCache {
                    const AttentionOptions<compute_type>& options = {},
                    compute_type* logsumexp = nullptr) const {  // (B, Hq, Lq) or null
     constexpr const char* function = "KVCache::attend";
-    const auto shapes = [&] {
-      return "q is " + detail::shape_string({q.batch, q.heads, q.length, q.dim}) + ", out is " +
-             detail::shape_string({out.batch, out.heads, out.length, out.dim}) +
-             " and the cache is (B, Hkv, D, Dv) = " +
-             detail::shape_string({batch_, kv_heads_, dim_, value_dim_});
-    };
-    if (q.batch != batch_ || out.batch != batch_)
-      detail::throw_invalid_argument(function, shapes() + ": batch sizes differ");
-    if (q.dim != dim_)
-      detail::throw_invalid_argument(function, shapes() + ": q and the keys' head dims differ");
-    if (q.heads < 1 || q.heads % kv_heads_ != 0) {
-      detail::throw_invalid_argument(
-          function, shapes() + ": query heads must be a positive multiple of key/value heads");
-    }
-    if (out.heads != q.heads || out.length != q.length || out.dim != value_dim_)
-      detail::throw_invalid_argument(function, shapes() + ": out must be (B, Hq, Lq, Dv)");
+    // The rules and wording of scaled_dot_product_attention, k and v being the cache's.
+    const HeadsView<const S> keys = keys_view(), values = values_view();
+    detail::check_attention_shapes(function, q, keys, values, "k (cached)", "v (cached)");
+    detail::check_output_shape(function, q, value_dim_, out);
     if (options.causal != Causal::none || !options.key_lengths.empty() ||
         !options.query_lengths.empty()) {
       detail::throw_invalid_argument(
@@ -231,9 +219,9 @@ class KVCache {
     for (Index b = 0; b < batch_; ++b) {
       if (lengths_[static_cast<std::size_t>(b)] < q.length) {
         detail::throw_invalid_argument(
-            function, shapes() + ": " + std::to_string(q.length) + " queries but sequence " +
-                          std::to_string(b) + " holds only " +
-                          std::to_string(lengths_[static_cast<std::size_t>(b)]) +
+            function, "q is " + detail::shape_string({q.batch, q.heads, q.length, q.dim}) + ": " +
+                          std::to_string(q.length) + " queries but sequence " + std::to_string(b) +
+                          " holds only " + std::to_string(lengths_[static_cast<std::size_t>(b)]) +
                           " tokens (append the new tokens first)");
       }
     }
@@ -245,7 +233,7 @@ class KVCache {
     o.causal = Causal::bottom_right;
     if (std::any_of(lengths_.begin(), lengths_.end(), [&](Index n) { return n != max_length(); }))
       o.key_lengths = lengths_;
-    run(q, keys_view(), values_view(), out, o, logsumexp);
+    run(q, keys, values, out, o, logsumexp);
   }
 
   /// attend_into() returning out (B, Hq, Lq, Dv); q is a rank-4 tensor (B, Hq, Lq, D).

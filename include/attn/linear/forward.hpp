@@ -250,12 +250,7 @@ void linear_attention_into(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
                            const LinearAttentionOptions<T>& options = {}) {
   constexpr const char* function = "linear_attention";
   detail::check_attention_shapes(function, q, k, v);
-  if (out.batch != q.batch || out.heads != q.heads || out.length != q.length || out.dim != v.dim) {
-    detail::throw_invalid_argument(
-        function, "out is " + detail::shape_string({out.batch, out.heads, out.length, out.dim}) +
-                      " but must be " + detail::shape_string({q.batch, q.heads, q.length, v.dim}) +
-                      " (B, Hq, Lq, Dv)");
-  }
+  detail::check_output_shape(function, q, v.dim, out);
   detail::check_linear_options(function, options, q, k);
   detail::check_output_aliasing(function, q, k, v, out);
 
