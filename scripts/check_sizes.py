@@ -26,7 +26,6 @@ MAX_FUNCTION_LINES = 150
 # "path:function" -> lines. Lower an entry when its file or function shrinks.
 KNOWN = {
     "multihead.hpp": 1129,
-    "safetensors.hpp": 1025,
     "projection.hpp": 940,
     "kernels/simd/tile_products.inl": 738,
 }
