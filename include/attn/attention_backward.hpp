@@ -74,15 +74,11 @@ void check_backward_arguments(const char* function,
                               const compute_scalar_t<S>* dbias, const compute_scalar_t<S>* dsinks) {
   check_attention_shapes(function, q, k, v);
   const std::array<Index, 4> out_shape{q.batch, q.heads, q.length, v.dim};
-  const auto expect = [&](const char* name, const std::array<Index, 4>& actual,
-                          const std::array<Index, 4>& wanted, const char* legend) {
-    check_shape(function, name, actual, wanted, legend);
-  };
-  expect("out", out.shape(), out_shape, "(B, Hq, Lq, Dv)");
-  expect("dout", dout.shape(), out_shape, "(B, Hq, Lq, Dv)");
-  expect("dq", dq.shape(), q.shape(), "(B, Hq, Lq, D), q's shape");
-  expect("dk", dk.shape(), k.shape(), "(B, Hkv, Lk, D), k's shape");
-  expect("dv", dv.shape(), v.shape(), "(B, Hkv, Lk, Dv), v's shape");
+  check_shape(function, "out", out.shape(), out_shape, "(B, Hq, Lq, Dv)");
+  check_shape(function, "dout", dout.shape(), out_shape, "(B, Hq, Lq, Dv)");
+  check_shape(function, "dq", dq.shape(), q.shape(), "(B, Hq, Lq, D), q's shape");
+  check_shape(function, "dk", dk.shape(), k.shape(), "(B, Hkv, Lk, D), k's shape");
+  check_shape(function, "dv", dv.shape(), v.shape(), "(B, Hkv, Lk, Dv), v's shape");
   if (lse == nullptr && q.batch * q.heads * q.length > 0) {
     throw_invalid_argument(function,
                            q.row_offsets != nullptr
