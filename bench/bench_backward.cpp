@@ -70,13 +70,17 @@ struct Problem {
     return attn::bhld_view(x.data(), 1, heads, length, dim);
   }
   void forward(const attn::AttentionOptions<float>& options) {
-    attn::scaled_dot_product_attention_into<float>(view(q), view(k), view(v), view(out), options,
-                                                   nullptr, lse.data());
+    attn::scaled_dot_product_attention_into<float>(
+        view(q), view(k), view(v),
+        attn::AttentionOutputViews{view(out), attn::bhl_view(lse.data(), 1, heads, length)},
+        options);
   }
   void backward(const attn::AttentionOptions<float>& options) {
     attn::scaled_dot_product_attention_backward_into<float>(
-        view(q), view(k), view(v), view(static_cast<const std::vector<float>&>(out)), lse.data(),
-        view(static_cast<const std::vector<float>&>(dout)), view(dq), view(dk), view(dv), options);
+        view(q), view(k), view(v), view(static_cast<const std::vector<float>&>(out)),
+        attn::bhl_view(lse.data(), 1, heads, length),
+        view(static_cast<const std::vector<float>&>(dout)), {view(dq), view(dk), view(dv)},
+        options);
   }
 };
 

@@ -155,28 +155,31 @@ void BM_documents_backward(benchmark::State& state) {
   attn::AttentionOptions<float> options;
   options.causal = attn::Causal::bottom_right;  // within each document
   const auto packed = [&](auto& x) { return packed_tokens(x, heads, dim, offsets); };
-  attn::scaled_dot_product_attention_into<float>(packed(q), packed(k), packed(v), packed(out),
-                                                 options, nullptr, lse.data());
+  const attn::RowsView<float> packed_lse =
+      attn::packed_view(attn::bhl_view(lse.data(), 1, heads, tokens), offsets);
+  attn::scaled_dot_product_attention_into<float>(packed(q), packed(k), packed(v),
+                                                 {packed(out), packed_lse}, options);
+  const auto document_rows = [&](Index d) {  // (1, H, n)
+    return attn::bhl_view(document_lse.data() + d * heads * per_document, 1, heads, per_document);
+  };
   for (Index d = 0; d < documents; ++d) {  // the per-document forward's own log-sum-exp
     std::vector<float> scratch(static_cast<std::size_t>(per_document * heads * dim));
     attn::scaled_dot_product_attention_into<float>(
         cpart(q, d), cpart(k, d), cpart(v, d),
-        attn::blhd_view(scratch.data(), 1, per_document, heads, dim), options, nullptr,
-        document_lse.data() + d * heads * per_document);
+        {attn::blhd_view(scratch.data(), 1, per_document, heads, dim), document_rows(d)}, options);
   }
   const auto run = [&](std::vector<float>& gq, std::vector<float>& gk, std::vector<float>& gv,
                        bool as_packed) {
     if (as_packed) {
       attn::scaled_dot_product_attention_backward_into<float>(
-          packed(q), packed(k), packed(v), packed(out), lse.data(), packed(dout), packed(gq),
-          packed(gk), packed(gv), options);
+          packed(q), packed(k), packed(v), packed(out), packed_lse, packed(dout),
+          {packed(gq), packed(gk), packed(gv)}, options);
       return;
     }
     for (Index d = 0; d < documents; ++d) {
       attn::scaled_dot_product_attention_backward_into<float>(
-          cpart(q, d), cpart(k, d), cpart(v, d), cpart(out, d),
-          document_lse.data() + d * heads * per_document, cpart(dout, d), part(gq.data(), d),
-          part(gk.data(), d), part(gv.data(), d), options);
+          cpart(q, d), cpart(k, d), cpart(v, d), cpart(out, d), document_rows(d), cpart(dout, d),
+          {part(gq.data(), d), part(gk.data(), d), part(gv.data(), d)}, options);
     }
   };
   run(expected_dq, expected_dk, expected_dv, false);

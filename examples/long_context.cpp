@@ -104,12 +104,13 @@ int main() {
     const auto cview = [&](const std::vector<float>& x) {
       return attn::bhld_view(x.data(), Index(1), Index(1), length, dim);
     };
-    attn::scaled_dot_product_attention_into<float>(cview(q), cview(k), cview(v), view(out), options,
-                                                   nullptr, lse.data());
+    const attn::RowsView<float> rows = attn::bhl_view(lse.data(), Index(1), Index(1), length);
+    attn::scaled_dot_product_attention_into<float>(cview(q), cview(k), cview(v), {view(out), rows},
+                                                   options);
     const auto start = std::chrono::steady_clock::now();
-    attn::scaled_dot_product_attention_backward_into<float>(cview(q), cview(k), cview(v),
-                                                            cview(out), lse.data(), cview(dout),
-                                                            view(dq), view(dk), view(dv), options);
+    attn::scaled_dot_product_attention_backward_into<float>(
+        cview(q), cview(k), cview(v), cview(out), rows, cview(dout), {view(dq), view(dk), view(dv)},
+        options);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double extra_mib = static_cast<double>(max_rss_kib() - before) / 1024.0;

@@ -173,15 +173,17 @@ bool run(const std::filesystem::path& out_dir) {
   print("causal output (step by step)", causal_output);
 
   heading("8. The same through the one-call API");
-  // attn::scaled_dot_product_attention(Q, K, V, options, &weights): the scale defaults to
-  // 1/sqrt(D); the weights out-pointer returns the (Lq, Lk) softmax.
+  // attn::scaled_dot_product_attention(Q, K, V, options, attn::Return::weights): the scale
+  // defaults to 1/sqrt(D); the result holds out (Lq, Dv) and the (Lq, Lk) softmax.
   attn::AttentionOptions<double> options;
-  Mat api_weights;  // (L, L)
-  const Mat api_output = attn::scaled_dot_product_attention(Q, K, V, options, &api_weights);
+  const auto api = attn::scaled_dot_product_attention(Q, K, V, options, attn::Return::weights);
+  const Mat& api_output = api.out;       // (L, Dv)
+  const Mat& api_weights = api.weights;  // (L, L)
   options.causal = attn::Causal::top_left;
-  Mat api_causal_weights;        // (L, L)
-  const Mat api_causal_output =  // (L, Dv)
-      attn::scaled_dot_product_attention(Q, K, V, options, &api_causal_weights);
+  const auto causal_api =
+      attn::scaled_dot_product_attention(Q, K, V, options, attn::Return::weights);
+  const Mat& api_causal_output = causal_api.out;       // (L, Dv)
+  const Mat& api_causal_weights = causal_api.weights;  // (L, L)
   print("causal weights (one call)", api_causal_weights);
   print("causal output (one call)", api_causal_output);
   // The heatmap of the causal weights: hidden keys are drawn hatched and empty, not as 0.00.
@@ -230,9 +232,10 @@ bool run(const std::filesystem::path& out_dir) {
   keep.row(0).setConstant(false);
   attn::AttentionOptions<double> masked_options;
   masked_options.keep_mask = keep;  // a view: `keep` must outlive the call
-  Mat masked_weights;               // (L, L)
-  const Mat masked_output =         // (L, Dv)
-      attn::scaled_dot_product_attention(Q, K, V, masked_options, &masked_weights);
+  const auto masked =
+      attn::scaled_dot_product_attention(Q, K, V, masked_options, attn::Return::weights);
+  const Mat& masked_weights = masked.weights;  // (L, L)
+  const Mat& masked_output = masked.out;       // (L, Dv)
   std::cout << "attn, row 0 weights: " << masked_weights.row(0)
             << "\nattn, row 0 output:  " << masked_output.row(0)
             << "\n  = zeros: a query that sees nothing attends to nothing (FlashAttention's\n"

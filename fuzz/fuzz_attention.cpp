@@ -719,8 +719,10 @@ struct Typed {
           attn::bhld_view<const S>(q.data(), p.batch, p.q_heads, p.q_length, p.dim),
           attn::bhld_view<const S>(k.data(), p.k_batch, p.kv_heads, p.k_length, p.k_dim),
           attn::bhld_view<const S>(v.data(), p.k_batch, p.kv_heads, p.v_length, p.value_dim),
-          attn::bhld_view<S>(out.data(), p.batch, p.q_heads, p.q_length, p.out_dim), options,
-          nullptr, lse.data());
+          attn::AttentionOutputViews{
+              attn::bhld_view<S>(out.data(), p.batch, p.q_heads, p.q_length, p.out_dim),
+              attn::bhl_view(lse.data(), p.batch, p.q_heads, p.q_length)},
+          options);
     } catch (const std::invalid_argument& e) {
       return std::string("invalid_argument: ") + e.what();
     } catch (const std::exception& e) {
@@ -774,9 +776,11 @@ struct Typed {
                             cu_k),
           attn::packed_view(
               attn::blhd_view<const S>(vp.data(), 1, cu_k.back(), p.kv_heads, p.value_dim), cu_k),
-          attn::packed_view(attn::blhd_view<S>(op.data(), 1, cu_q.back(), p.q_heads, p.value_dim),
-                            cu_q),
-          packed_options, nullptr, lp.data());
+          attn::AttentionOutputViews{
+              attn::packed_view(
+                  attn::blhd_view<S>(op.data(), 1, cu_q.back(), p.q_heads, p.value_dim), cu_q),
+              attn::packed_view(attn::bhl_view(lp.data(), 1, p.q_heads, cu_q.back()), cu_q)},
+          packed_options);
     } catch (const std::invalid_argument& e) {
       return std::string("invalid_argument: ") + e.what();
     } catch (const std::exception& e) {
@@ -1205,14 +1209,18 @@ void check_packed_backward(const Problem& p, Typed<T>& typed, const std::vector<
                            std::vector<T>(x.v.size()), std::vector<T>(p.sinks.size())};
     attn::AttentionOptions<T> options = x.options;
     options.algorithm = algorithm;
-    attn::scaled_dot_product_attention_backward_into<T>(
-        q_side(x.q, p.q_heads, p.dim), k_side(x.k, p.kv_heads, p.dim),
-        k_side(x.v, p.kv_heads, p.value_dim), q_side(x.out, p.q_heads, p.value_dim), x.lse.data(),
-        q_side(dout_tokens, p.q_heads, p.value_dim),
+    attn::AttentionGradientViews<T> grads{
         attn::packed_view(attn::blhd_view(g[0].data(), 1, tq, p.q_heads, p.dim), x.cu_q),
         attn::packed_view(attn::blhd_view(g[1].data(), 1, tk, p.kv_heads, p.dim), x.cu_k),
-        attn::packed_view(attn::blhd_view(g[2].data(), 1, tk, p.kv_heads, p.value_dim), x.cu_k),
-        options, nullptr, g[3].empty() ? nullptr : g[3].data());
+        attn::packed_view(attn::blhd_view(g[2].data(), 1, tk, p.kv_heads, p.value_dim), x.cu_k)};
+    if (!g[3].empty())
+      grads.dsinks.emplace(g[3].data(), static_cast<Index>(g[3].size()));
+    attn::scaled_dot_product_attention_backward_into<T>(
+        q_side(x.q, p.q_heads, p.dim), k_side(x.k, p.kv_heads, p.dim),
+        k_side(x.v, p.kv_heads, p.value_dim), q_side(x.out, p.q_heads, p.value_dim),
+        attn::packed_view(attn::bhl_view(static_cast<const T*>(x.lse.data()), 1, p.q_heads, tq),
+                          x.cu_q),
+        q_side(dout_tokens, p.q_heads, p.value_dim), grads, options);
     const char* names[] = {"dq", "dk", "dv", "dsinks"};
     for (int n = 0; n < 4; ++n) {
       const std::vector<T>&a = g[n], &e = expected[n];
@@ -1272,16 +1280,22 @@ void check_backward(const Problem& p) {
     g.dsinks.resize(p.sinks.size());
     attn::AttentionOptions<T> options = typed.options;
     options.algorithm = algorithm;
+    attn::AttentionGradientViews<T> grads{view(g.dq, p.batch, p.q_heads, p.q_length, p.dim),
+                                          view(g.dk, p.batch, p.kv_heads, p.k_length, p.dim),
+                                          view(g.dv, p.batch, p.kv_heads, p.k_length, p.value_dim)};
+    if (!g.dbias.empty()) {
+      const std::array<Index, 4>& d = options.bias.dims();
+      grads.dbias = attn::bhld_view(g.dbias.data(), d[0], d[1], d[2], d[3]);
+    }
+    if (!g.dsinks.empty())
+      grads.dsinks.emplace(g.dsinks.data(), static_cast<Index>(g.dsinks.size()));
     attn::scaled_dot_product_attention_backward_into<T>(
         cview(typed.q, p.batch, p.q_heads, p.q_length, p.dim),
         cview(typed.k, p.batch, p.kv_heads, p.k_length, p.dim),
         cview(typed.v, p.batch, p.kv_heads, p.k_length, p.value_dim),
-        cview(typed.out, p.batch, p.q_heads, p.q_length, p.value_dim), typed.lse.data(),
-        cview(dout, p.batch, p.q_heads, p.q_length, p.value_dim),
-        view(g.dq, p.batch, p.q_heads, p.q_length, p.dim),
-        view(g.dk, p.batch, p.kv_heads, p.k_length, p.dim),
-        view(g.dv, p.batch, p.kv_heads, p.k_length, p.value_dim), options,
-        g.dbias.empty() ? nullptr : g.dbias.data(), g.dsinks.empty() ? nullptr : g.dsinks.data());
+        cview(typed.out, p.batch, p.q_heads, p.q_length, p.value_dim),
+        attn::bhl_view(static_cast<const T*>(typed.lse.data()), p.batch, p.q_heads, p.q_length),
+        cview(dout, p.batch, p.q_heads, p.q_length, p.value_dim), grads, options);
     return g;
   };
   const Gradients expected = backward(attn::Algorithm::naive);
@@ -1344,11 +1358,12 @@ void check_backward_refuses_score_mod(const Problem& p) {
           attn::bhld_view<const T>(typed.k.data(), p.batch, p.kv_heads, p.k_length, p.dim),
           attn::bhld_view<const T>(typed.v.data(), p.batch, p.kv_heads, p.k_length, p.value_dim),
           attn::bhld_view<const T>(typed.out.data(), p.batch, p.q_heads, p.q_length, p.value_dim),
-          typed.lse.data(),
+          attn::bhl_view(static_cast<const T*>(typed.lse.data()), p.batch, p.q_heads, p.q_length),
           attn::bhld_view<const T>(dout.data(), p.batch, p.q_heads, p.q_length, p.value_dim),
-          attn::bhld_view<T>(dq.data(), p.batch, p.q_heads, p.q_length, p.dim),
-          attn::bhld_view<T>(dk.data(), p.batch, p.kv_heads, p.k_length, p.dim),
-          attn::bhld_view<T>(dv.data(), p.batch, p.kv_heads, p.k_length, p.value_dim), options);
+          {attn::bhld_view<T>(dq.data(), p.batch, p.q_heads, p.q_length, p.dim),
+           attn::bhld_view<T>(dk.data(), p.batch, p.kv_heads, p.k_length, p.dim),
+           attn::bhld_view<T>(dv.data(), p.batch, p.kv_heads, p.k_length, p.value_dim)},
+          options);
     } catch (const std::invalid_argument& e) {
       error = e.what();
     } catch (const std::exception& e) {

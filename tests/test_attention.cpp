@@ -10,6 +10,7 @@
 
 #include "support/fixtures.hpp"
 #include "support/isa_cases.hpp"
+#include "support/results.hpp"
 #include "support/sdpa_case.hpp"
 
 using attn::Index;
@@ -48,8 +49,10 @@ void batched_attention_matches_the_pytorch_fixtures() {
       const attn_test::SdpaCase<T> fx(c);
       attn::Tensor<T, 4> weights;
       attn::Tensor<T, 3> lse;
-      const attn::Tensor<T, 4> out =
-          attn::scaled_dot_product_attention(fx.q, fx.k, fx.v, fx.options, &weights, &lse);
+      const attn::Tensor<T, 4> out = attn_test::out_of(
+          attn::scaled_dot_product_attention(fx.q, fx.k, fx.v, fx.options,
+                                             attn::Return::weights | attn::Return::logsumexp),
+          &weights, &lse);
       ATTN_REQUIRE_CLOSE(out.data(), out.size(), fx.out, rtol);
       ATTN_REQUIRE_CLOSE(weights.data(), weights.size(), fx.weights, rtol);
       ATTN_REQUIRE_CLOSE(lse.data(), lse.size(), fx.lse, rtol);
@@ -157,8 +160,10 @@ void the_one_head_matrix_overload_matches_the() {
           }
           attn::Matrix<T> weights;
           attn::Vector<T> lse;
-          const attn::Matrix<T> out =
-              attn::scaled_dot_product_attention(q, k, v, options, &weights, &lse);
+          const attn::Matrix<T> out = attn_test::out_of(
+              attn::scaled_dot_product_attention(q, k, v, options,
+                                                 attn::Return::weights | attn::Return::logsumexp),
+              &weights, &lse);
           INFO("batch " << b << " head " << h);
           const Index item = b * hq + h;
           ATTN_REQUIRE_CLOSE(out.data(), out.size(), slice<T>(fx.out, item * lq * dv, lq * dv),
@@ -229,7 +234,8 @@ void empty_problems_are_defined() {
   attn::Tensor<T, 4> q1(1, 1, 2, 4), k0(1, 1, 0, 4), v0(1, 1, 0, 5);
   q1.setConstant(1);
   attn::Tensor<T, 3> lse;
-  const attn::Tensor<T, 4> out = attn::scaled_dot_product_attention(q1, k0, v0, {}, nullptr, &lse);
+  const attn::Tensor<T, 4> out = attn_test::out_of(
+      attn::scaled_dot_product_attention(q1, k0, v0, {}, attn::Return::logsumexp), nullptr, &lse);
   REQUIRE(out.dimension(3) == 5);
   for (Index n = 0; n < out.size(); ++n)
     REQUIRE(out.data()[n] == T(0));

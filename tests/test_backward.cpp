@@ -21,6 +21,7 @@
 #include "support/heads.hpp"
 #include "support/isa_cases.hpp"
 #include "support/masked_problem.hpp"
+#include "support/results.hpp"
 #include "support/sdpa_case.hpp"
 
 #if ATTN_HAS_OPENMP
@@ -83,8 +84,9 @@ void fixtures_match_autograd() {
     const auto& expected = backward_case(s.name);
     INFO(s.name);
     attn::Tensor<T, 3> lse;
-    const attn::Tensor<T, 4> out =
-        attn::scaled_dot_product_attention(s.q, s.k, s.v, s.options, nullptr, &lse);
+    const attn::Tensor<T, 4> out = attn_test::out_of(
+        attn::scaled_dot_product_attention(s.q, s.k, s.v, s.options, attn::Return::logsumexp),
+        nullptr, &lse);
     const attn::Tensor<T, 4> dout = attn_test::tensor<T, 4>(expected.at("dout"));
     double largest_lse = 0;
     for (const double x : s.lse) {
@@ -101,8 +103,11 @@ void fixtures_match_autograd() {
       options.query_tile = run.query_tile;
       options.key_tile = run.key_tile;
       const bool with_bias = !options.bias.empty();
+      const attn::Return gradients =
+          (with_bias ? attn::Return::dbias : attn::Return::nothing_else) |
+          (options.sinks.empty() ? attn::Return::nothing_else : attn::Return::dsinks);
       const attn::AttentionGradients<T> g = attn::scaled_dot_product_attention_backward(
-          s.q, s.k, s.v, out, lse, dout, options, with_bias);
+          s.q, s.k, s.v, out, lse, dout, options, gradients);
       CHECK(scaled_error(flat(g.dq), attn_test::values_of(expected.at("dq"))) <= tolerance);
       CHECK(scaled_error(flat(g.dk), attn_test::values_of(expected.at("dk"))) <= tolerance);
       CHECK(scaled_error(flat(g.dv), attn_test::values_of(expected.at("dv"))) <= tolerance);
@@ -213,16 +218,25 @@ void check_against_reference(attn_test::reference::Problem p, int kind, std::mt1
     o.options.key_tile = key_tile;
     // The forward of the same algorithm (with dropout, its mask is the one the backward
     // regenerates).
-    attn::scaled_dot_product_attention_into<T>(q.cview(), k.cview(), v.cview(), out.view(),
-                                               o.options, nullptr, lse.data());
+    attn::scaled_dot_product_attention_into<T>(
+        q.cview(), k.cview(), v.cview(),
+        attn::AttentionOutputViews{out.view(),
+                                   attn::bhl_view(lse.data(), p.batch, p.q_heads, p.q_length)},
+        o.options);
     check_within_plain_bound<T>("out", out.data, r.forward_truth.out, r.forward_plain.out);
     Heads<T> dq(p.batch, p.q_heads, p.q_length, p.dim), dk(p.batch, p.kv_heads, p.k_length, p.dim),
         dv(p.batch, p.kv_heads, p.k_length, p.value_dim);
     std::vector<T> dbias(truth_dbias.size()), dsinks(p.sinks.size());
+    attn::AttentionGradientViews<T> grads{dq.view(), dk.view(), dv.view()};
+    if (with_bias) {
+      const std::array<Index, 4>& d = o.options.bias.dims();
+      grads.dbias = attn::bhld_view(dbias.data(), d[0], d[1], d[2], d[3]);
+    }
+    if (!p.sinks.empty())
+      grads.dsinks.emplace(dsinks.data(), static_cast<Index>(dsinks.size()));
     attn::scaled_dot_product_attention_backward_into<T>(
-        q.cview(), k.cview(), v.cview(), out.cview(), lse.data(), dout.cview(), dq.view(),
-        dk.view(), dv.view(), o.options, with_bias ? dbias.data() : nullptr,
-        p.sinks.empty() ? nullptr : dsinks.data());
+        q.cview(), k.cview(), v.cview(), out.cview(),
+        attn::bhl_view(lse.data(), p.batch, p.q_heads, p.q_length), dout.cview(), grads, o.options);
     check_within_plain_bound<T>("dq", dq.data, truth.dq, plain.dq);
     check_within_plain_bound<T>("dk", dk.data, truth.dk, plain.dk);
     check_within_plain_bound<T>("dv", dv.data, truth.dv, plain.dv);
@@ -378,18 +392,27 @@ void packed_against_reference() {
           lse(static_cast<std::size_t>(p.q_heads * tq));
       attn::scaled_dot_product_attention_into<T>(
           cview(qt, tq, p.q_heads, p.dim, cu_q), cview(kt, tk, p.kv_heads, p.dim, cu_k),
-          cview(vt, tk, p.kv_heads, p.value_dim, cu_k), view(out, tq, p.q_heads, p.value_dim, cu_q),
-          o.options, nullptr, lse.data());
+          cview(vt, tk, p.kv_heads, p.value_dim, cu_k),
+          attn::AttentionOutputViews{
+              view(out, tq, p.q_heads, p.value_dim, cu_q),
+              attn::packed_view(attn::bhl_view(lse.data(), 1, p.q_heads, tq), cu_q)},
+          o.options);
       check_within_plain_bound<T>("out", out, pack_q(r.forward_truth.out, p.value_dim),
                                   pack_q(r.forward_plain.out, p.value_dim));
       std::vector<T> dq(qt.size()), dk(kt.size()), dv(vt.size()), dsinks(p.sinks.size());
       attn::scaled_dot_product_attention_backward_into<T>(
           cview(qt, tq, p.q_heads, p.dim, cu_q), cview(kt, tk, p.kv_heads, p.dim, cu_k),
           cview(vt, tk, p.kv_heads, p.value_dim, cu_k),
-          cview(out, tq, p.q_heads, p.value_dim, cu_q), lse.data(),
-          cview(dt, tq, p.q_heads, p.value_dim, cu_q), view(dq, tq, p.q_heads, p.dim, cu_q),
-          view(dk, tk, p.kv_heads, p.dim, cu_k), view(dv, tk, p.kv_heads, p.value_dim, cu_k),
-          o.options, nullptr, p.sinks.empty() ? nullptr : dsinks.data());
+          cview(out, tq, p.q_heads, p.value_dim, cu_q),
+          attn::packed_view(attn::bhl_view(static_cast<const T*>(lse.data()), 1, p.q_heads, tq),
+                            cu_q),
+          cview(dt, tq, p.q_heads, p.value_dim, cu_q),
+          {view(dq, tq, p.q_heads, p.dim, cu_q), view(dk, tk, p.kv_heads, p.dim, cu_k),
+           view(dv, tk, p.kv_heads, p.value_dim, cu_k), std::nullopt,
+           p.sinks.empty() ? std::nullopt
+                           : std::optional<Eigen::Map<attn::Vector<T>>>(
+                                 std::in_place, dsinks.data(), static_cast<Index>(dsinks.size()))},
+          o.options);
       check_within_plain_bound<T>("dq", dq, pack_q(truth.dq, p.dim), pack_q(plain.dq, p.dim));
       check_within_plain_bound<T>("dk", dk, pack_k(truth.dk, p.dim), pack_k(plain.dk, p.dim));
       check_within_plain_bound<T>("dv", dv, pack_k(truth.dv, p.value_dim),
@@ -435,11 +458,13 @@ TEST_CASE("the reference gradients agree with finite differences in long double"
     attn_test::AttnOptions<double> o(p);
     Heads<double> out(2, 2, 5, 2), dq(2, 2, 5, 3), dk(2, 1, 6, 3), dv(2, 1, 6, 2);
     std::vector<double> lse(2 * 2 * 5);
-    attn::scaled_dot_product_attention_into<double>(q.cview(), k.cview(), v.cview(), out.view(),
-                                                    o.options, nullptr, lse.data());
+    attn::scaled_dot_product_attention_into<double>(
+        q.cview(), k.cview(), v.cview(),
+        attn::AttentionOutputViews{out.view(), attn::bhl_view(lse.data(), q.b, q.h, q.l)},
+        o.options);
     attn::scaled_dot_product_attention_backward_into<double>(
-        q.cview(), k.cview(), v.cview(), out.cview(), lse.data(), dout.cview(), dq.view(),
-        dk.view(), dv.view(), o.options);
+        q.cview(), k.cview(), v.cview(), out.cview(), attn::bhl_view(lse.data(), q.b, q.h, q.l),
+        dout.cview(), {dq.view(), dk.view(), dv.view()}, o.options);
     const long double h = 1e-7L;
     const auto differentiate = [&](std::vector<long double>& x, const std::vector<long double>& g,
                                    const std::vector<double>& attn_g, const char* name) {
@@ -496,16 +521,18 @@ void same_bits_for_one_and_two_threads() {
     options.bias = bias;
     Heads<T> out(2, 4, 200, 48);
     std::vector<T> lse(2 * 4 * 200);
-    attn::scaled_dot_product_attention_into<T>(q.cview(), k.cview(), v.cview(), out.view(), options,
-                                               nullptr, lse.data());
+    attn::scaled_dot_product_attention_into<T>(
+        q.cview(), k.cview(), v.cview(),
+        attn::AttentionOutputViews{out.view(), attn::bhl_view(lse.data(), q.b, q.h, q.l)}, options);
     std::vector<T> results[2];
     for (int threads = 1; threads <= 2; ++threads) {
       omp_set_num_threads(threads);
       Heads<T> dq(2, 4, 200, 64), dk(2, 2, 180, 64), dv(2, 2, 180, 48);
       std::vector<T> dbias(4 * 180);
       attn::scaled_dot_product_attention_backward_into<T>(
-          q.cview(), k.cview(), v.cview(), out.cview(), lse.data(), dout.cview(), dq.view(),
-          dk.view(), dv.view(), options, dbias.data());
+          q.cview(), k.cview(), v.cview(), out.cview(), attn::bhl_view(lse.data(), q.b, q.h, q.l),
+          dout.cview(),
+          {dq.view(), dk.view(), dv.view(), attn::bhld_view(dbias.data(), 1, 4, 1, 180)}, options);
       for (const auto* x : {&dq.data, &dk.data, &dv.data, &dbias})
         results[threads - 1].insert(results[threads - 1].end(), x->begin(), x->end());
     }
@@ -533,8 +560,9 @@ TEMPLATE_TEST_CASE("the backward of 16-bit storage is the float backward of the 
   options.causal = attn::Causal::bottom_right;
   Heads<S> out(1, 2, 70, 16);
   std::vector<float> lse(2 * 70);
-  attn::scaled_dot_product_attention_into<S>(q.cview(), k.cview(), v.cview(), out.view(), options,
-                                             nullptr, lse.data());
+  attn::scaled_dot_product_attention_into<S>(
+      q.cview(), k.cview(), v.cview(),
+      attn::AttentionOutputViews{out.view(), attn::bhl_view(lse.data(), q.b, q.h, q.l)}, options);
   const Heads<float> qf = q.template cast<float>(), kf = k.template cast<float>(),
                      vf = v.template cast<float>(), of = out.template cast<float>(),
                      df = dout.template cast<float>();
@@ -542,13 +570,13 @@ TEMPLATE_TEST_CASE("the backward of 16-bit storage is the float backward of the 
     INFO(attn::algorithm_name(algorithm));
     options.algorithm = algorithm;
     Heads<S> dq(1, 2, 70, 32), dk(1, 1, 90, 32), dv(1, 1, 90, 16);
-    attn::scaled_dot_product_attention_backward_into<S>(q.cview(), k.cview(), v.cview(),
-                                                        out.cview(), lse.data(), dout.cview(),
-                                                        dq.view(), dk.view(), dv.view(), options);
+    attn::scaled_dot_product_attention_backward_into<S>(
+        q.cview(), k.cview(), v.cview(), out.cview(), attn::bhl_view(lse.data(), q.b, q.h, q.l),
+        dout.cview(), {dq.view(), dk.view(), dv.view()}, options);
     Heads<float> dqf(1, 2, 70, 32), dkf(1, 1, 90, 32), dvf(1, 1, 90, 16);
     attn::scaled_dot_product_attention_backward_into<float>(
-        qf.cview(), kf.cview(), vf.cview(), of.cview(), lse.data(), df.cview(), dqf.view(),
-        dkf.view(), dvf.view(), options);
+        qf.cview(), kf.cview(), vf.cview(), of.cview(), attn::bhl_view(lse.data(), q.b, q.h, q.l),
+        df.cview(), {dqf.view(), dkf.view(), dvf.view()}, options);
     const auto narrowed = [](const Heads<float>& x) {
       std::vector<S> r(x.data.size());
       std::transform(x.data.begin(), x.data.end(), r.begin(), [](float e) { return S(e); });
@@ -578,13 +606,16 @@ TEST_CASE("the backward reads and writes strided (B, L, H, D) views", "[backward
   std::vector<float> lse(static_cast<std::size_t>(B * H * L));
   attn::AttentionOptions<float> options;
   options.causal = attn::Causal::top_left;
-  attn::scaled_dot_product_attention_into<float>(blhd(q), blhd(k), blhd(v),
-                                                 attn::blhd_view(out.data.data(), B, L, H, D),
-                                                 options, nullptr, lse.data());
+  attn::scaled_dot_product_attention_into<float>(
+      blhd(q), blhd(k), blhd(v),
+      attn::AttentionOutputViews{attn::blhd_view(out.data.data(), B, L, H, D),
+                                 attn::bhl_view(lse.data(), B, H, L)},
+      options);
   attn::scaled_dot_product_attention_backward_into<float>(
-      blhd(q), blhd(k), blhd(v), blhd(out), lse.data(), blhd(dout),
-      attn::blhd_view(dq.data.data(), B, L, H, D), attn::blhd_view(dk.data.data(), B, L, H, D),
-      attn::blhd_view(dv.data.data(), B, L, H, D), options);
+      blhd(q), blhd(k), blhd(v), blhd(out), attn::bhl_view(lse.data(), B, H, L), blhd(dout),
+      {attn::blhd_view(dq.data.data(), B, L, H, D), attn::blhd_view(dk.data.data(), B, L, H, D),
+       attn::blhd_view(dv.data.data(), B, L, H, D)},
+      options);
   // The same problem in (B, H, L, D) tensors.
   const auto transposed = [&](const Heads<float>& x) {
     attn::Tensor<float, 4> t(B, H, L, D);
@@ -597,8 +628,9 @@ TEST_CASE("the backward reads and writes strided (B, L, H, D) views", "[backward
   };
   attn::Tensor<float, 3> lse_t;
   const attn::Tensor<float, 4> qt = transposed(q), kt = transposed(k), vt = transposed(v);
-  const attn::Tensor<float, 4> out_t =
-      attn::scaled_dot_product_attention(qt, kt, vt, options, nullptr, &lse_t);
+  const attn::Tensor<float, 4> out_t = attn_test::out_of(
+      attn::scaled_dot_product_attention(qt, kt, vt, options, attn::Return::logsumexp), nullptr,
+      &lse_t);
   const attn::AttentionGradients<float> g = attn::scaled_dot_product_attention_backward(
       qt, kt, vt, out_t, lse_t, transposed(dout), options);
   const attn::Tensor<float, 4> dq_t = transposed(dq), dk_t = transposed(dk), dv_t = transposed(dv);
@@ -620,8 +652,8 @@ TEST_CASE("the backward gives zero gradients to rows that see no key and keys no
   options.key_lengths = {3, 5};
   options.query_lengths = {4, 0};
   attn::Tensor<double, 3> lse;
-  const attn::Tensor<double, 4> out =
-      attn::scaled_dot_product_attention(q, k, v, options, nullptr, &lse);
+  const attn::Tensor<double, 4> out = attn_test::out_of(
+      attn::scaled_dot_product_attention(q, k, v, options, attn::Return::logsumexp), nullptr, &lse);
   for (const attn::Algorithm algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
     options.algorithm = algorithm;
     const auto g = attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, options);
@@ -642,7 +674,8 @@ TEST_CASE("NaN in dout reaches the gradients of its row", "[backward]") {
   for (auto* t : {&q, &k, &v, &dout})
     t->setRandom();
   attn::Tensor<float, 3> lse;
-  const attn::Tensor<float, 4> out = attn::scaled_dot_product_attention(q, k, v, {}, nullptr, &lse);
+  const attn::Tensor<float, 4> out = attn_test::out_of(
+      attn::scaled_dot_product_attention(q, k, v, {}, attn::Return::logsumexp), nullptr, &lse);
   dout(0, 0, 1, 2) = std::numeric_limits<float>::quiet_NaN();
   for (const attn::Algorithm algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
     attn::AttentionOptions<float> options;
@@ -675,8 +708,8 @@ TEST_CASE("the backward rejects bad shapes and options by name", "[backward][err
   REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_backward(q, k3, v, out, lse, dout),
                       Catch::Contains("q and k head dims differ"));
   REQUIRE_THROWS_WITH(
-      attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, {}, true),
-      prefix + "bias_gradient is true but options.bias is not given");
+      attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, {}, attn::Return::dbias),
+      prefix + "Return::dbias but options.bias is not given");
   attn::AttentionOptions<float> options;
   options.window = {-2, 0};
   REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, options),
@@ -700,9 +733,14 @@ TEST_CASE("the backward rejects bad shapes and options by name", "[backward][err
                         const attn::HeadsView<float>& dk_view,
                         const attn::HeadsView<float>& dv_view, const float* lse_data,
                         const attn::AttentionOptions<float>& o, float* dbias, float* dsinks) {
+    attn::AttentionGradientViews<float> grads{dq_view, dk_view, dv_view};
+    if (dbias != nullptr)
+      grads.dbias = attn::bhld_view(dbias, 1, 1, 1, 1);
+    if (dsinks != nullptr)
+      grads.dsinks.emplace(dsinks, 2);
     attn::scaled_dot_product_attention_backward_into<float>(
-        cview(q), cview(k), cview(v), cview(out), lse_data, cview(dout), dq_view, dk_view, dv_view,
-        o, dbias, dsinks);
+        cview(q), cview(k), cview(v), cview(out), attn::bhl_view(lse_data, 1, 2, 3), cview(dout),
+        grads, o);
   };
   REQUIRE_NOTHROW(call(view(dq), view(dk), view(dv), lse.data(), {}, nullptr, nullptr));
   REQUIRE_THROWS_WITH(call(view(dk), view(dk), view(dv), lse.data(), {}, nullptr, nullptr),
@@ -718,7 +756,7 @@ TEST_CASE("the backward rejects bad shapes and options by name", "[backward][err
                           "dv is [1, 2, 3, 4] but must be [1, 1, 5, 2] (B, Hkv, Lk, Dv), v's "
                           "shape");
   REQUIRE_THROWS_WITH(call(view(dq), view(dk), view(dv), nullptr, {}, nullptr, nullptr),
-                      prefix + "logsumexp is null: pass the forward's logsumexp (B, Hq, Lq)");
+                      prefix + "logsumexp has no data");
   REQUIRE_THROWS_WITH(call(view(q), view(dk), view(dv), lse.data(), {}, nullptr, nullptr),
                       prefix +
                           "dq overlaps q: the gradients must share no element with the "
@@ -736,8 +774,8 @@ TEST_CASE("the backward rejects bad shapes and options by name", "[backward][err
   const std::vector<Index> offsets = {0, 3};
   const attn::HeadsView<const float> packed = attn::packed_view(cview(q), offsets);
   REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_backward_into<float>(
-                          packed, cview(k), cview(v), cview(out), lse.data(), cview(dout), view(dq),
-                          view(dk), view(dv)),
+                          packed, cview(k), cview(v), cview(out), attn::bhl_view(lse), cview(dout),
+                          {view(dq), view(dk), view(dv)}),
                       prefix +
                           "q is a packed view but out is not: pass packed views (packed_view()) "
                           "for all tensors or for none");
@@ -758,10 +796,13 @@ TEST_CASE("the packed backward rejects bad tokens, offsets and options by name",
   const auto call = [&](const attn::HeadsView<const float>& dout_view, const float* lse_data,
                         const attn::AttentionOptions<float>& options = {},
                         float* dsinks = nullptr) {
+    attn::AttentionGradientViews<float> grads{packed_view(dq, cu_q), packed_view(dk, cu_k),
+                                              packed_view(dv, cu_k)};
+    if (dsinks != nullptr)
+      grads.dsinks.emplace(dsinks, 2);
     attn::scaled_dot_product_attention_backward_into<float>(
         packed_view(q, cu_q), packed_view(k, cu_k), packed_view(v, cu_k), packed_view(out, cu_q),
-        lse_data, dout_view, packed_view(dq, cu_q), packed_view(dk, cu_k), packed_view(dv, cu_k),
-        options, nullptr, dsinks);
+        packed_view(attn::bhl_view(lse_data, 1, 2, 5), cu_q), dout_view, grads, options);
   };
   CHECK_NOTHROW(call(packed_view(dout, cu_q), lse.data()));
   attn::Tensor<float, 3> wrong(5, 2, 3);
@@ -794,22 +835,22 @@ TEST_CASE("the packed backward rejects bad tokens, offsets and options by name",
       attn::ScoreMod<float>([](float score, Index, Index, Index, Index) { return score; });
   REQUIRE_THROWS_WITH(call(packed_view(dout, cu_q), lse.data(), options),
                       Catch::Contains("options.score_mod is forward only"));
-  REQUIRE_THROWS_WITH(call(packed_view(dout, cu_q), nullptr),
-                      prefix + "logsumexp is null: pass the forward's logsumexp (Hq, Tq)");
+  REQUIRE_THROWS_WITH(call(packed_view(dout, cu_q), nullptr), prefix + "logsumexp has no data");
   float scratch[2] = {};
   REQUIRE_THROWS_WITH(call(packed_view(dout, cu_q), lse.data(), {}, scratch),
                       prefix + "dsinks was requested but options.sinks is not given");
   REQUIRE_THROWS_WITH(
       attn::scaled_dot_product_attention_backward_into<float>(
           packed_view(q, cu_q), packed_view(k, cu_k), packed_view(v, cu_k), packed_view(out, cu_q),
-          lse.data(), packed_view(dout, cu_q), packed_view(dq, cu_q),
-          packed_view(attn::blhd_view(dq.data(), 1, 5, 1, 4), cu_k), packed_view(dv, cu_k)),
+          packed_view(lse, cu_q), packed_view(dout, cu_q),
+          {packed_view(dq, cu_q), packed_view(attn::blhd_view(dq.data(), 1, 5, 1, 4), cu_k),
+           packed_view(dv, cu_k)}),
       prefix + "dq overlaps dk: the gradients must not overlap");
   REQUIRE_THROWS_WITH(
       attn::scaled_dot_product_attention_backward_into<float>(
           packed_view(q, cu_q), packed_view(k, cu_k), packed_view(v, cu_k), packed_view(out, cu_q),
-          lse.data(), packed_view(dout, cu_q), packed_view(q, cu_q), packed_view(dk, cu_k),
-          packed_view(dv, cu_k)),
+          packed_view(lse, cu_q), packed_view(dout, cu_q),
+          {packed_view(q, cu_q), packed_view(dk, cu_k), packed_view(dv, cu_k)}),
       prefix + "dq overlaps q: the gradients must share no element with the inputs");
 }
 
@@ -823,8 +864,8 @@ TEST_CASE("the backward of empty problems gives empty or zero gradients", "[back
     for (auto* t : {&q, &k, &v, &dout})
       t->setRandom();
     attn::Tensor<float, 3> lse;
-    const attn::Tensor<float, 4> out =
-        attn::scaled_dot_product_attention(q, k, v, {}, nullptr, &lse);
+    const attn::Tensor<float, 4> out = attn_test::out_of(
+        attn::scaled_dot_product_attention(q, k, v, {}, attn::Return::logsumexp), nullptr, &lse);
     for (const attn::Algorithm algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
       attn::AttentionOptions<float> options;
       options.algorithm = algorithm;
@@ -873,11 +914,14 @@ void dropout_fixtures_match_autograd() {
       INFO(attn::algorithm_name(algorithm));
       options.algorithm = algorithm;
       attn::Tensor<T, 3> lse;
-      const attn::Tensor<T, 4> out =
-          attn::scaled_dot_product_attention(q, k, v, options, nullptr, &lse);
+      const attn::Tensor<T, 4> out = attn_test::out_of(
+          attn::scaled_dot_product_attention(q, k, v, options, attn::Return::logsumexp), nullptr,
+          &lse);
       CHECK(scaled_error(flat(out), attn_test::values_of(c.at("out"))) <= tolerance);
-      const auto g = attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, options,
-                                                                 !options.bias.empty());
+      const auto g = attn::scaled_dot_product_attention_backward(
+          q, k, v, out, lse, dout, options,
+          (options.bias.empty() ? attn::Return::nothing_else : attn::Return::dbias) |
+              (options.sinks.empty() ? attn::Return::nothing_else : attn::Return::dsinks));
       CHECK(scaled_error(flat(g.dq), attn_test::values_of(c.at("dq"))) <= tolerance);
       CHECK(scaled_error(flat(g.dk), attn_test::values_of(c.at("dk"))) <= tolerance);
       CHECK(scaled_error(flat(g.dv), attn_test::values_of(c.at("dv"))) <= tolerance);
@@ -903,13 +947,15 @@ TEST_CASE("dropout drops weights at its rate and scales the others", "[backward]
   const attn::Matrix<double> k = attn::Matrix<double>::Random(512, 8);
   const attn::Matrix<double> v = attn::Matrix<double>::Random(512, 4);
   attn::Matrix<double> weights, dropped_weights;
-  attn::scaled_dot_product_attention(q, k, v, {}, &weights);
+  attn_test::out_of(attn::scaled_dot_product_attention(q, k, v, {}, attn::Return::weights),
+                    &weights, nullptr);
   for (const double p : {0.1, 0.3, 0.7}) {
     INFO("p " << p);
     attn::AttentionOptions<double> options;
     options.dropout_p = p;
     options.dropout_seed = 42;
-    attn::scaled_dot_product_attention(q, k, v, options, &dropped_weights);
+    attn_test::out_of(attn::scaled_dot_product_attention(q, k, v, options, attn::Return::weights),
+                      &dropped_weights, nullptr);
     Index dropped = 0;
     double worst = 0;  // relative error of the kept weights against weights / (1 - p)
     for (Index i = 0; i < 512; ++i) {
@@ -927,10 +973,12 @@ TEST_CASE("dropout drops weights at its rate and scales the others", "[backward]
     CHECK(std::abs(rate - p) <= 5 * std::sqrt(p * (1 - p) / (512.0 * 512.0)));
     // The same seed gives the same mask; another seed another one.
     attn::Matrix<double> again, other;
-    attn::scaled_dot_product_attention(q, k, v, options, &again);
+    attn_test::out_of(attn::scaled_dot_product_attention(q, k, v, options, attn::Return::weights),
+                      &again, nullptr);
     REQUIRE(again == dropped_weights);
     options.dropout_seed = 43;
-    attn::scaled_dot_product_attention(q, k, v, options, &other);
+    attn_test::out_of(attn::scaled_dot_product_attention(q, k, v, options, attn::Return::weights),
+                      &other, nullptr);
     REQUIRE(other != dropped_weights);
   }
 }

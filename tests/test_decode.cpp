@@ -22,6 +22,7 @@
 #include "support/fixtures.hpp"
 #include "support/heads.hpp"
 #include "support/masked_problem.hpp"
+#include "support/results.hpp"
 
 using attn::Index;
 using attn_test::Heads;
@@ -74,8 +75,11 @@ void check_decode(Problem p, int kind, std::mt19937& rng) {
     o.options.algorithm = algorithm;
     Heads<T> out(p.batch, p.q_heads, p.q_length, p.value_dim);
     std::vector<T> lse(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
-    attn::scaled_dot_product_attention_into<T>(q.cview(), k.cview(), v.cview(), out.view(),
-                                               o.options, nullptr, lse.data());
+    attn::scaled_dot_product_attention_into<T>(
+        q.cview(), k.cview(), v.cview(),
+        attn::AttentionOutputViews{out.view(),
+                                   attn::bhl_view(lse.data(), p.batch, p.q_heads, p.q_length)},
+        o.options);
     const double error = attn_test::max_error(out.data, truth.out);
     CAPTURE(plain_error, error, bound);
     REQUIRE(error <= bound);
@@ -322,8 +326,9 @@ TEST_CASE("decode handles no keys and no queries", "[decode][isa]") {
   attn::Tensor<float, 4> q(1, 4, 2, 8), k0(1, 2, 0, 8), v0(1, 2, 0, 3);
   q.setConstant(1);
   attn::Tensor<float, 3> lse;
-  const attn::Tensor<float, 4> out =
-      attn::scaled_dot_product_attention(q, k0, v0, options, nullptr, &lse);
+  const attn::Tensor<float, 4> out = attn_test::out_of(
+      attn::scaled_dot_product_attention(q, k0, v0, options, attn::Return::logsumexp), nullptr,
+      &lse);
   for (Index n = 0; n < out.size(); ++n)
     REQUIRE(out.data()[n] == 0.0f);
   for (Index n = 0; n < lse.size(); ++n)

@@ -18,6 +18,7 @@
 #include "support/fixtures.hpp"
 #include "support/heads.hpp"
 #include "support/masked_problem.hpp"
+#include "support/results.hpp"
 #include "support/sdpa_case.hpp"
 
 using attn::Index;
@@ -48,7 +49,9 @@ void fixtures_with_tiny_tiles() {
           options.key_tile = key_tile;
           attn::Tensor<T, 3> lse;
           const attn::Tensor<T, 4> out =
-              attn::scaled_dot_product_attention(fx.q, fx.k, fx.v, options, nullptr, &lse);
+              attn_test::out_of(attn::scaled_dot_product_attention(fx.q, fx.k, fx.v, options,
+                                                                   attn::Return::logsumexp),
+                                nullptr, &lse);
           ATTN_REQUIRE_CLOSE(out.data(), out.size(), fx.out, rtol);
           ATTN_REQUIRE_CLOSE(lse.data(), lse.size(), fx.lse, rtol);
         }
@@ -82,8 +85,11 @@ void check_against_reference(attn_test::reference::Problem p, int kind, std::mt1
     o.options.key_tile = key_tile;
     Heads<T> out(p.batch, p.q_heads, p.q_length, p.value_dim);
     std::vector<T> lse(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
-    attn::scaled_dot_product_attention_into<T>(q.cview(), k.cview(), v.cview(), out.view(),
-                                               o.options, nullptr, lse.data());
+    attn::scaled_dot_product_attention_into<T>(
+        q.cview(), k.cview(), v.cview(),
+        attn::AttentionOutputViews{out.view(),
+                                   attn::bhl_view(lse.data(), p.batch, p.q_heads, p.q_length)},
+        o.options);
     const double error = attn_test::max_error(out.data, truth.out);
     INFO("error " << error << ", plain error " << plain_error << ", bound " << bound);
     REQUIRE(error <= bound);
@@ -168,8 +174,9 @@ void same_bits_for_one_and_two_threads() {
         omp_set_num_threads(threads);
         Heads<T> out(2, 3, 300, 40);
         lse[threads - 1].resize(2 * 3 * 300);
-        attn::scaled_dot_product_attention_into<T>(q.cview(), k.cview(), v.cview(), out.view(),
-                                                   options, nullptr, lse[threads - 1].data());
+        attn::scaled_dot_product_attention_into<T>(
+            q.cview(), k.cview(), v.cview(),
+            {out.view(), attn::bhl_view(lse[threads - 1].data(), 2, 3, 300)}, options);
         results[threads - 1] = out.data;
       }
       omp_set_num_threads(saved);
@@ -194,15 +201,21 @@ TEST_CASE("chunked and flash refuse to return weights; automatic falls back to n
   attn::Matrix<float> weights;
   attn::AttentionOptions<float> options;
   options.algorithm = attn::Algorithm::flash;
-  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention(q, k, v, options, &weights),
-                      "scaled_dot_product_attention: weights were requested with "
-                      "Algorithm::flash: only Algorithm::naive (or automatic) returns them");
+  REQUIRE_THROWS_WITH(
+      attn_test::out_of(attn::scaled_dot_product_attention(q, k, v, options, attn::Return::weights),
+                        &weights, nullptr),
+      "scaled_dot_product_attention: weights were requested with "
+      "Algorithm::flash: only Algorithm::naive (or automatic) returns them");
   options.algorithm = attn::Algorithm::chunked;
-  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention(q, k, v, options, &weights),
-                      "scaled_dot_product_attention: weights were requested with "
-                      "Algorithm::chunked: only Algorithm::naive (or automatic) returns them");
+  REQUIRE_THROWS_WITH(
+      attn_test::out_of(attn::scaled_dot_product_attention(q, k, v, options, attn::Return::weights),
+                        &weights, nullptr),
+      "scaled_dot_product_attention: weights were requested with "
+      "Algorithm::chunked: only Algorithm::naive (or automatic) returns them");
   options.algorithm = attn::Algorithm::automatic;
-  const attn::Matrix<float> out = attn::scaled_dot_product_attention(q, k, v, options, &weights);
+  const attn::Matrix<float> out =
+      attn_test::out_of(attn::scaled_dot_product_attention(q, k, v, options, attn::Return::weights),
+                        &weights, nullptr);
   REQUIRE(weights.rows() == 100);
   REQUIRE(weights.cols() == 90);
   options.query_tile = -1;
@@ -250,8 +263,9 @@ void empty_problems_and_nan() {
   attn::Tensor<T, 4> q1(1, 1, 5, 4), k0(1, 1, 0, 4), v0(1, 1, 0, 3);
   q1.setConstant(1);
   attn::Tensor<T, 3> lse;
-  const attn::Tensor<T, 4> out =
-      attn::scaled_dot_product_attention(q1, k0, v0, options, nullptr, &lse);
+  const attn::Tensor<T, 4> out = attn_test::out_of(
+      attn::scaled_dot_product_attention(q1, k0, v0, options, attn::Return::logsumexp), nullptr,
+      &lse);
   for (Index n = 0; n < out.size(); ++n)
     REQUIRE(out.data()[n] == T(0));
   REQUIRE(lse(0, 0, 4) == -std::numeric_limits<T>::infinity());
@@ -259,8 +273,9 @@ void empty_problems_and_nan() {
   // kernel once did pointer arithmetic on its empty output workspace here: found by the fuzzer).
   attn::Tensor<T, 4> k2(1, 1, 2, 4), v_empty(1, 1, 2, 0);
   k2.setZero();
-  const attn::Tensor<T, 4> empty =
-      attn::scaled_dot_product_attention(q1, k2, v_empty, options, nullptr, &lse);
+  const attn::Tensor<T, 4> empty = attn_test::out_of(
+      attn::scaled_dot_product_attention(q1, k2, v_empty, options, attn::Return::logsumexp),
+      nullptr, &lse);
   REQUIRE(empty.size() == 0);
   for (Index i = 0; i < 5; ++i)
     REQUIRE_THAT(static_cast<double>(lse(0, 0, i)),

@@ -25,6 +25,7 @@
 
 #include "support/fixtures.hpp"
 #include "support/reference.hpp"
+#include "support/results.hpp"
 
 using attn::Algorithm;
 using attn::AttentionOptions;
@@ -66,7 +67,8 @@ std::pair<std::vector<T>, std::vector<T>> run(const Tensor<T, 4>& q, const Tenso
     options.key_tile = 16;
   }
   Tensor<T, 3> lse;
-  const Tensor<T, 4> out = attn::scaled_dot_product_attention(q, k, v, options, nullptr, &lse);
+  const Tensor<T, 4> out = attn_test::out_of(
+      attn::scaled_dot_product_attention(q, k, v, options, attn::Return::logsumexp), nullptr, &lse);
   return {flat(out), std::vector<T>(lse.data(), lse.data() + lse.size())};
 }
 
@@ -600,7 +602,8 @@ TEMPLATE_TEST_CASE("the backward with a mask_mod or block mask equals the keep-m
   AttentionOptions<T> dense;
   dense.keep_mask = keep;
   Tensor<T, 3> lse;
-  const Tensor<T, 4> out = attn::scaled_dot_product_attention(q, k, v, dense, nullptr, &lse);
+  const Tensor<T, 4> out = attn_test::out_of(
+      attn::scaled_dot_product_attention(q, k, v, dense, attn::Return::logsumexp), nullptr, &lse);
   for (const Algorithm algorithm : {Algorithm::naive, Algorithm::flash}) {
     dense.algorithm = algorithm;
     const auto expected =
@@ -655,8 +658,9 @@ TEST_CASE("mods and block masks reject bad arguments", "[mods]") {
   AttentionOptions<float> with_score_mod;
   with_score_mod.score_mod = ScoreMod<float>(attn::gallery::softcap<float>(5.0f));
   Tensor<float, 3> lse;
-  const Tensor<float, 4> out =
-      attn::scaled_dot_product_attention(q, kv, kv, with_score_mod, nullptr, &lse);
+  const Tensor<float, 4> out = attn_test::out_of(
+      attn::scaled_dot_product_attention(q, kv, kv, with_score_mod, attn::Return::logsumexp),
+      nullptr, &lse);
   REQUIRE_THROWS_WITH(
       attn::scaled_dot_product_attention_backward(q, kv, kv, out, lse, out, with_score_mod),
       Contains("scaled_dot_product_attention_backward: options.score_mod is forward only"));

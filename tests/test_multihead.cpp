@@ -16,6 +16,7 @@
 
 #include "support/fixtures.hpp"
 #include "support/isa_cases.hpp"
+#include "support/results.hpp"
 
 using attn::Index;
 using attn_test::json;
@@ -462,7 +463,8 @@ TEMPLATE_TEST_CASE("GQA equals attention on explicitly repeated kv heads", "[mul
     for (Index h = 0; h < 6; ++h)
       REQUIRE(attn::kv_head_for(h, 6, kv_heads) == h / group);
     attn::Tensor<T, 4> weights;
-    const attn::Tensor<T, 4> heads = attn::scaled_dot_product_attention(q, k, v, {}, &weights);
+    const attn::Tensor<T, 4> heads = attn_test::out_of(
+        attn::scaled_dot_product_attention(q, k, v, {}, attn::Return::weights), &weights, nullptr);
     const attn::Tensor<T, 3> merged = attn::merge_heads(heads);
     const attn::Tensor<T, 3> expected = mha.out_proj()(merged);
     CHECK(max_error(got.output, expected) <= rtol);

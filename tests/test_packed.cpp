@@ -28,6 +28,7 @@
 #include "support/heads.hpp"
 #include "support/isa_cases.hpp"
 #include "support/masked_problem.hpp"
+#include "support/results.hpp"
 
 using attn::Algorithm;
 using attn::Causal;
@@ -136,16 +137,22 @@ void packed_equals_each_sequence_alone() {
         options.key_tile = tile;
         Packed<T> out(q_lengths, q_heads, value_dim, rng);
         std::vector<T> lse(static_cast<std::size_t>(q_heads * q.tokens()), T(7));
-        attn::scaled_dot_product_attention_into<T>(q.packed(), k.packed(), v.packed(), out.packed(),
-                                                   options, nullptr, lse.data());
+        attn::scaled_dot_product_attention_into<T>(
+            q.packed(), k.packed(), v.packed(),
+            attn::AttentionOutputViews{
+                out.packed(),
+                attn::packed_view(attn::bhl_view(lse.data(), 1, q_heads, q.tokens()), q.offsets)},
+            options);
         for (std::size_t b = 0; b < q_lengths.size(); ++b) {
           INFO("sequence " << b << ": Lq " << q_lengths[b] << ", Lk " << k_lengths[b]);
           const Index nq = q_lengths[b], nk = k_lengths[b];
           Packed<T> alone({nq}, q_heads, value_dim, rng);
           std::vector<T> lse_alone(static_cast<std::size_t>(q_heads * nq));
-          attn::scaled_dot_product_attention_into<T>(q.sequence(b), k.sequence(b), v.sequence(b),
-                                                     alone.all(), options, nullptr,
-                                                     lse_alone.data());
+          attn::scaled_dot_product_attention_into<T>(
+              q.sequence(b), k.sequence(b), v.sequence(b),
+              attn::AttentionOutputViews{alone.all(),
+                                         attn::bhl_view(lse_alone.data(), 1, q_heads, nq)},
+              options);
           const attn::HeadsView<const T> packed_out = static_cast<const Packed<T>&>(out).all();
           for (Index h = 0; h < q_heads; ++h) {
             for (Index i = 0; i < nq; ++i) {
@@ -310,8 +317,9 @@ TEST_CASE("a row that sees no key outputs zeros and the sink as its log-sum-exp"
   for (const Algorithm algorithm : all_algorithms) {
     options.algorithm = algorithm;
     attn::Tensor<float, 3> lse;
-    const attn::Tensor<float, 4> out =
-        attn::scaled_dot_product_attention(q, k, v, options, nullptr, &lse);
+    const attn::Tensor<float, 4> out = attn_test::out_of(
+        attn::scaled_dot_product_attention(q, k, v, options, attn::Return::logsumexp), nullptr,
+        &lse);
     for (Index n = 0; n < out.size(); ++n)
       REQUIRE(out.data()[n] == 0.0F);
     REQUIRE(lse(0, 0, 2) == 1.25F);
@@ -331,8 +339,9 @@ TEST_CASE("a row that sees no key outputs zeros and the sink as its log-sum-exp"
       INFO(attn::algorithm_name(algorithm));
       far.algorithm = algorithm;
       attn::Tensor<float, 3> lse;
-      const attn::Tensor<float, 4> out =
-          attn::scaled_dot_product_attention(q, k, v_nan, far, nullptr, &lse);
+      const attn::Tensor<float, 4> out = attn_test::out_of(
+          attn::scaled_dot_product_attention(q, k, v_nan, far, attn::Return::logsumexp), nullptr,
+          &lse);
       REQUIRE(out(0, 0, 2, 0) == 0.0F);
       REQUIRE(std::isnan(out(0, 0, 2, 1)));
       REQUIRE(out(0, 1, 2, 1) == 0.0F);  // head 1 reads kv head 1: no NaN
@@ -343,7 +352,8 @@ TEST_CASE("a row that sees no key outputs zeros and the sink as its log-sum-exp"
   options.key_lengths = {};
   options.algorithm = Algorithm::naive;
   attn::Tensor<float, 4> weights;
-  attn::scaled_dot_product_attention(q, k, v, options, &weights);
+  attn_test::out_of(attn::scaled_dot_product_attention(q, k, v, options, attn::Return::weights),
+                    &weights, nullptr);
   const double s = 0.5 * 4 / 2.0;  // q.k * 1/sqrt(D)
   REQUIRE(weights(0, 0, 1, 3) ==
           Approx(std::exp(s) / (5 * std::exp(s) + std::exp(1.25))).epsilon(1e-6));
@@ -449,9 +459,11 @@ TEST_CASE("packed and per-sequence options reject malformed input with a message
                                                                      v.packed(), narrow.packed()),
                       f + "out is [2, 2, 3, 3] but must be [2, 2, 3, 4] (B, Hq, Lq, Dv)");
   std::vector<float> weights(2 * 2 * 3 * 4);
-  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_into<float>(
-                          q.packed(), k.packed(), v.packed(), out.packed(), {}, weights.data()),
-                      f + "weights are not available for packed views: pad the sequences");
+  REQUIRE_THROWS_WITH(
+      attn::scaled_dot_product_attention_into<float>(
+          q.packed(), k.packed(), v.packed(),
+          attn::AttentionOutputViews{out.packed(), std::nullopt, attn::bhld_view(weights.data(), 2, 2, 3, 4)}, {}),
+      f + "weights are not available for packed views: pad the sequences");
   REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention(q.packed(), k.packed(), v.packed()),
                       f + "packed views need a packed output: call "
                           "scaled_dot_product_attention_into with packed_view() of the output "

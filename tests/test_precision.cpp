@@ -22,6 +22,7 @@
 
 #include "support/heads.hpp"
 #include "support/masked_problem.hpp"
+#include "support/results.hpp"
 
 namespace {
 
@@ -194,8 +195,11 @@ TEST_CASE("float queries against half keys and values (decoding from a 16-bit ca
       options.algorithm = algorithm;
       Heads<float> out(batch, q_heads, q_length, dim);
       std::vector<float> lse(static_cast<std::size_t>(batch * q_heads * q_length));
-      attn::scaled_dot_product_attention_into(q.cview(), k.cview(), v.cview(), out.view(), options,
-                                              nullptr, lse.data());
+      attn::scaled_dot_product_attention_into(
+          q.cview(), k.cview(), v.cview(),
+          attn::AttentionOutputViews{out.view(),
+                                     attn::bhl_view(lse.data(), batch, q_heads, q_length)},
+          options);
       CHECK(max_error(out.data, reference) <= 1e-5);
       for (const float value : lse)
         CHECK(std::isfinite(value));
@@ -214,8 +218,8 @@ TEST_CASE("tensor API: half inputs, half or float output", "[precision][isa]") {
   attn::AttentionOptions<float> options;
   options.causal = attn::Causal::top_left;
   attn::Tensor<float, 3> lse;
-  const attn::Tensor<Eigen::half, 4> out_half =
-      attn::scaled_dot_product_attention(q, k, v, options, nullptr, &lse);
+  const attn::Tensor<Eigen::half, 4> out_half = attn_test::out_of(
+      attn::scaled_dot_product_attention(q, k, v, options, attn::Return::logsumexp), nullptr, &lse);
   const attn::Tensor<float, 4> out_float =
       attn::scaled_dot_product_attention<float>(q, k, v, options);
   REQUIRE(out_half.dimension(3) == 8);

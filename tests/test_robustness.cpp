@@ -20,6 +20,7 @@
 
 #include "support/isa_cases.hpp"
 #include "support/random_tensor.hpp"
+#include "support/results.hpp"
 
 using attn::Index;
 using Catch::Matchers::Contains;
@@ -85,7 +86,9 @@ void fuzz_regression_a_key_the_keep_mask() {
     options.keep_mask = keep;
     options.bias = bias;
     attn::Vector<T> lse;
-    const attn::Matrix<T> out = attn::scaled_dot_product_attention(q, k, v, options, nullptr, &lse);
+    const attn::Matrix<T> out = attn_test::out_of(
+        attn::scaled_dot_product_attention(q, k, v, options, attn::Return::logsumexp), nullptr,
+        &lse);
     options.bias = clean_bias;
     const attn::Matrix<T> expected = attn::scaled_dot_product_attention(q, k, v, options);
     REQUIRE(out.allFinite());
@@ -112,9 +115,11 @@ void empty_batches_queries_keys_and_value_dims() {
     const attn::AttentionOptions<T> options = with<T>(algorithm, 3, 2);
     attn::Tensor<T, 3> lse;
     // B = 0: an empty result of the right shape.
-    attn::Tensor<T, 4> out = attn::scaled_dot_product_attention(
-        random_tensor<T>(0, 2, 3, 4, 1u), random_tensor<T>(0, 1, 5, 4, 2u),
-        random_tensor<T>(0, 1, 5, 6, 3u), options, nullptr, &lse);
+    attn::Tensor<T, 4> out =
+        attn_test::out_of(attn::scaled_dot_product_attention(
+                              random_tensor<T>(0, 2, 3, 4, 1u), random_tensor<T>(0, 1, 5, 4, 2u),
+                              random_tensor<T>(0, 1, 5, 6, 3u), options, attn::Return::logsumexp),
+                          nullptr, &lse);
     REQUIRE(out.dimension(0) == 0);
     REQUIRE(out.dimension(1) == 2);
     REQUIRE(out.dimension(2) == 3);
@@ -130,18 +135,21 @@ void empty_batches_queries_keys_and_value_dims() {
     attn::AttentionOptions<T> masked = options;
     masked.causal = attn::Causal::bottom_right;
     masked.key_lengths.assign(2, 0);
-    out = attn::scaled_dot_product_attention(
-        random_tensor<T>(2, 2, 3, 4, 1u), random_tensor<T>(2, 1, 0, 4, 2u),
-        random_tensor<T>(2, 1, 0, 6, 3u), masked, nullptr, &lse);
+    out = attn_test::out_of(attn::scaled_dot_product_attention(
+                                random_tensor<T>(2, 2, 3, 4, 1u), random_tensor<T>(2, 1, 0, 4, 2u),
+                                random_tensor<T>(2, 1, 0, 6, 3u), masked, attn::Return::logsumexp),
+                            nullptr, &lse);
     REQUIRE(out.size() == 2 * 2 * 3 * 6);
     for (Index n = 0; n < out.size(); ++n)
       REQUIRE(out.data()[n] == T(0));
     for (Index n = 0; n < lse.size(); ++n)
       REQUIRE(lse.data()[n] == minus_inf);
     // Dv = 0: nothing to write, but the log-sum-exp is still computed.
-    out = attn::scaled_dot_product_attention(
-        random_tensor<T>(1, 1, 3, 4, 1u), attn::Tensor<T, 4>(1, 1, 2, 4).setZero(),
-        random_tensor<T>(1, 1, 2, 0, 3u), options, nullptr, &lse);
+    out = attn_test::out_of(
+        attn::scaled_dot_product_attention(
+            random_tensor<T>(1, 1, 3, 4, 1u), attn::Tensor<T, 4>(1, 1, 2, 4).setZero(),
+            random_tensor<T>(1, 1, 2, 0, 3u), options, attn::Return::logsumexp),
+        nullptr, &lse);
     REQUIRE(out.size() == 0);
     for (Index i = 0; i < 3; ++i)  // two keys with score 0: log(2)
       REQUIRE_THAT(static_cast<double>(lse(0, 0, i)),
@@ -178,7 +186,9 @@ void d_1_matches_the_closed_form() {
     attn::AttentionOptions<T> options = with<T>(algorithm);
     options.scale = T(1);
     attn::Vector<T> lse;
-    const attn::Matrix<T> out = attn::scaled_dot_product_attention(q, k, v, options, nullptr, &lse);
+    const attn::Matrix<T> out = attn_test::out_of(
+        attn::scaled_dot_product_attention(q, k, v, options, attn::Return::logsumexp), nullptr,
+        &lse);
     const double tolerance = 8 * static_cast<double>(std::numeric_limits<T>::epsilon());
     REQUIRE_THAT(static_cast<double>(out(0, 0)),
                  Catch::Matchers::WithinAbs(w0 + 3 * w1, 4 * tolerance));
@@ -212,7 +222,9 @@ void a_single_query_against_100000_keys() {
     INFO(attn::algorithm_name(algorithm));
     const attn::AttentionOptions<T> options = with<T>(algorithm);
     attn::Vector<T> lse;
-    attn::Matrix<T> out = attn::scaled_dot_product_attention(q, k, v, options, nullptr, &lse);
+    attn::Matrix<T> out = attn_test::out_of(
+        attn::scaled_dot_product_attention(q, k, v, options, attn::Return::logsumexp), nullptr,
+        &lse);
     const double tolerance = std::is_same_v<T, float> ? 1e-4 : 1e-12;
     for (Index e = 0; e < 3; ++e)
       REQUIRE_THAT(static_cast<double>(out(0, e)), Catch::Matchers::WithinAbs(mean(e), tolerance));
@@ -382,7 +394,8 @@ void subnormal_inputs_and_all_equal_logits() {
     v << T(1), tiny, T(2), tiny, T(3), tiny, T(6), tiny;
     attn::Matrix<T> weights;
     const attn::AttentionOptions<T> naive = with<T>(attn::Algorithm::naive);
-    attn::scaled_dot_product_attention(q, k, v, naive, &weights);
+    attn_test::out_of(attn::scaled_dot_product_attention(q, k, v, naive, attn::Return::weights),
+                      &weights, nullptr);
     REQUIRE((weights.array() == T(0.25)).all());
     const attn::Matrix<T> out = attn::scaled_dot_product_attention(q, k, v, options);
     for (Index i = 0; i < 3; ++i) {

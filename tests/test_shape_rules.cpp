@@ -70,9 +70,10 @@ const std::vector<EntryPoint> entry_points = {
        const Heads<float> q = make(r.q), k = make(r.k), v = make(r.v), out = make(r.out);
        Heads<float> dq = make(r.q), dk = make(r.k), dv = make(r.v);
        const std::vector<float> lse(static_cast<std::size_t>(r.q[0] * r.q[1] * r.q[2]), 0.0f);
-       attn::scaled_dot_product_attention_backward_into<float>(q.cview(), k.cview(), v.cview(),
-                                                               out.cview(), lse.data(), out.cview(),
-                                                               dq.view(), dk.view(), dv.view());
+       attn::scaled_dot_product_attention_backward_into<float>(
+           q.cview(), k.cview(), v.cview(), out.cview(),
+           attn::bhl_view(lse.data(), r.q[0], r.q[1], r.q[2]), out.cview(),
+           {dq.view(), dk.view(), dv.view()});
      }},
     {"linear_attention_into", "linear_attention: ",
      [](const Rule& r) {

@@ -24,6 +24,7 @@
 #include <attn/attn.hpp>
 
 #include "../examples/numpy_random.hpp"
+#include "support/results.hpp"
 
 namespace {
 
@@ -209,8 +210,10 @@ TEST_CASE("the library reproduces every stage of the walkthrough", "[walkthrough
   }
 
   SECTION("one call, no mask") {
-    Mat weights;                                                                   // (L, L)
-    const Mat output = attn::scaled_dot_product_attention(Q, K, V, {}, &weights);  // (L, Dv)
+    Mat weights;  // (L, L)
+    const Mat output =
+        attn_test::out_of(attn::scaled_dot_product_attention(Q, K, V, {}, attn::Return::weights),
+                          &weights, nullptr);  // (L, Dv)
     REQUIRE_RELATIVE(weights, "weights", kRelative);
     REQUIRE_RELATIVE(output, "output", kRelative);
   }
@@ -235,7 +238,9 @@ TEST_CASE("the library reproduces every stage of the walkthrough", "[walkthrough
     attn::AttentionOptions<double> options;
     options.causal = attn::Causal::top_left;
     Mat weights;  // (L, L)
-    const Mat output = attn::scaled_dot_product_attention(Q, K, V, options, &weights);
+    const Mat output = attn_test::out_of(
+        attn::scaled_dot_product_attention(Q, K, V, options, attn::Return::weights), &weights,
+        nullptr);
     REQUIRE_RELATIVE(weights, "causal_weights", kRelative);
     REQUIRE_RELATIVE(output, "causal_output", kRelative);
     // No row is fully masked here, so in float64 the tutorial's -1e9 gives the same weights.
@@ -254,7 +259,8 @@ TEST_CASE("masked keys of the walkthrough get weight exactly 0", "[walkthrough][
   attn::AttentionOptions<double> options;
   options.causal = attn::Causal::top_left;
   Mat weights;  // (L, L)
-  attn::scaled_dot_product_attention(Q, K, V, options, &weights);
+  attn_test::out_of(attn::scaled_dot_product_attention(Q, K, V, options, attn::Return::weights),
+                    &weights, nullptr);
   Mat masked = fixture_matrix("scaled_scores");  // (L, L)
   const attn::Mask<double> mask("test", 1, 1, 3, 3, attn::Causal::top_left, attn::Window{}, {}, {},
                                 {});
@@ -337,7 +343,9 @@ TEST_CASE("a fully masked row: -1e9 gives uniform or unmasked weights, attn give
     attn::AttentionOptions<double> options;
     options.keep_mask = keep;
     Mat weights;  // (L, L)
-    const Mat output = attn::scaled_dot_product_attention(Q, K, V, options, &weights);
+    const Mat output = attn_test::out_of(
+        attn::scaled_dot_product_attention(Q, K, V, options, attn::Return::weights), &weights,
+        nullptr);
     for (Index j = 0; j < 3; ++j) {
       CHECK(weights(0, j) == 0.0);
       CHECK(output(0, j) == 0.0);

@@ -39,6 +39,7 @@
 #include "attn/kernels/naive.hpp"
 #include "attn/mask.hpp"
 #include "attn/options.hpp"
+#include "attn/outputs.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
 #include "attn/tensor.hpp"
@@ -55,7 +56,7 @@ void run_attention(const KernelPlan& plan,
                    const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
                    const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
                    const Mask<compute_scalar_t<TQ>>& mask, compute_scalar_t<TQ> scale,
-                   compute_scalar_t<TQ>* weights,  // (B, Hq, Lq, Lk) or null
+                   const HeadsView<compute_scalar_t<TQ>>* weights,  // (B, Hq, Lq, Lk) or null
                    const RowValues<compute_scalar_t<TQ>>& logsumexp) {
   switch (plan.algorithm) {
     case Algorithm::naive:
@@ -72,6 +73,52 @@ void run_attention(const KernelPlan& plan,
   ATTN_ASSERT(false);
 }
 
+/// Throws unless the optional outputs have their shapes, are packed like q when q is, and
+/// share no element with the inputs, `out` or each other.
+template <class TQ, class TKV, class TO>
+void check_optional_outputs(const char* function,
+                            const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
+                            const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
+                            const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
+                            const AttentionOutputViews<TO>& outputs) {
+  using C = compute_scalar_t<TQ>;
+  std::optional<HeadsView<const C>> lse, weights;
+  if (outputs.logsumexp) {
+    lse = rows_as_heads(*outputs.logsumexp);
+    check_rows_shape(function, "logsumexp", *outputs.logsumexp, q);
+  }
+  if (outputs.weights) {
+    weights = *outputs.weights;
+    if (q.row_offsets != nullptr) {
+      throw_invalid_argument(function,
+                             "weights are not available for packed views: pad the sequences");
+    }
+    check_shape(function, "weights", weights->shape(), {q.batch, q.heads, q.length, k.length},
+                "(B, Hq, Lq, Lk)");
+  }
+  const auto refuse_overlap = [&](const char* name, const auto& view) {
+    const char* other = byte_ranges_overlap(view, q)                                  ? "q"
+                        : byte_ranges_overlap(view, k)                                ? "k"
+                        : byte_ranges_overlap(view, v)                                ? "v"
+                        : byte_ranges_overlap(view, HeadsView<const TO>(outputs.out)) ? "out"
+                                                                                      : nullptr;
+    if (other != nullptr) {
+      throw_invalid_argument(function, std::string(name) + " overlaps " + other +
+                                           ": the outputs must share no element with the "
+                                           "inputs or each other");
+    }
+  };
+  if (lse)
+    refuse_overlap("logsumexp", *lse);
+  if (weights)
+    refuse_overlap("weights", *weights);
+  if (lse && weights && byte_ranges_overlap(*lse, *weights)) {
+    throw_invalid_argument(function,
+                           "logsumexp overlaps weights: the outputs must share no element with "
+                           "the inputs or each other");
+  }
+}
+
 /// The implementation of scaled_dot_product_attention_into for q stored as TQ, k and v as
 /// TKV and out as TO; the arithmetic runs in T = compute_scalar_t<TQ>. 16-bit operands are
 /// widened as the kernels read them (flash: tile by tile; naive and chunked: once per head).
@@ -81,10 +128,8 @@ template <class TQ, class TKV, class TO>
 void attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
                     const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
                     const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
-                    const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
-                    const AttentionOptions<compute_scalar_t<TQ>>& options,
-                    compute_scalar_t<TQ>* weights,      // (B, Hq, Lq, Lk) or null
-                    compute_scalar_t<TQ>* logsumexp) {  // (B, Hq, Lq), packed (Hq, Tq), or null
+                    const AttentionOutputViews<TO>& outputs,
+                    const AttentionOptions<compute_scalar_t<TQ>>& options) {
   using T = compute_scalar_t<TQ>;
   static_assert(is_storage_scalar_v<TQ> && is_storage_scalar_v<TKV> && is_storage_scalar_v<TO>,
                 "scaled_dot_product_attention: scalars must be floating point, Eigen::half or "
@@ -93,59 +138,92 @@ void attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
                 "scaled_dot_product_attention: q, k, v and out must share one compute scalar "
                 "(float with half or bfloat16; double only with double)");
   constexpr const char* function = "scaled_dot_product_attention";
+  const HeadsView<TO>& out = outputs.out;
   // Packing first: views on other sequences also have other lengths, and that is the cause.
-  const bool packed = check_packing(function, {packed_rows("q", q), packed_rows("out", out)},
-                                    {packed_rows("k", k), packed_rows("v", v)});
+  const PackedRows unpacked_lse{"logsumexp", q.row_offsets, q.batch, q.length};
+  const bool packed =
+      check_packing(function,
+                    {packed_rows("q", q), packed_rows("out", out),
+                     outputs.logsumexp ? packed_rows("logsumexp", rows_as_heads(*outputs.logsumexp))
+                                       : unpacked_lse},
+                    {packed_rows("k", k), packed_rows("v", v)});
   check_attention_shapes(function, q, k, v);
   check_output_shape(function, q, v.dim, out);
   check_output_aliasing(function, q, k, v, out);
-  if (packed) {
+  check_optional_outputs(function, q, k, v, outputs);
+  if (packed)
     check_packed_options(function, options);
-    if (weights != nullptr) {
-      throw_invalid_argument(function,
-                             "weights are not available for packed views: pad the sequences");
-    }
-  }
   const T scale = resolve_scale(function, options.scale, q.dim);
   const KernelPlan plan = plan_attention<T>(
       {q.batch, q.heads, k.heads, q.length, k.length, q.dim, v.dim, Index(sizeof(TKV))}, options,
-      weights != nullptr, function);
+      outputs.weights.has_value(), function);
+  const HeadsView<T>* weights = outputs.weights ? &*outputs.weights : nullptr;
+  const RowValues<T> logsumexp =
+      outputs.logsumexp ? row_values(*outputs.logsumexp) : RowValues<T>{};
   if (!packed) {
     const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options, plan.isa);
-    run_attention(plan, q, k, v, out, mask, scale, weights,
-                  padded_rows(logsumexp, q.heads, q.length));
+    run_attention(plan, q, k, v, out, mask, scale, weights, logsumexp);
     return;
   }
   const MaskOptions<T> per_sequence = per_sequence_options<MaskOptions<T>>(options, q, k);
   const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, per_sequence, plan.isa);
-  run_attention(plan, q, k, v, out, mask, scale, weights,
-                RowValues<T>{logsumexp, 0, q.row_offsets[q.batch], q.row_offsets});
+  run_attention(plan, q, k, v, out, mask, scale, weights, logsumexp);
+}
+
+/// The value forms' body: allocates out and the results `returns` names, then runs
+/// attention_into on their views.
+template <class SO, class SQ, class SKV>
+AttentionOutputs<SO> attention_outputs(const char* function, const HeadsView<const SQ>& q,
+                                       const HeadsView<const SKV>& k, const HeadsView<const SKV>& v,
+                                       const AttentionOptions<compute_scalar_t<SQ>>& options,
+                                       Return returns) {
+  check_forward_returns(function, returns);
+  check_attention_shapes(function, q, k, v);
+  if (q.row_offsets != nullptr || k.row_offsets != nullptr || v.row_offsets != nullptr) {
+    throw_invalid_argument(function,
+                           "packed views need a packed output: call "
+                           "scaled_dot_product_attention_into with packed_view() of the output "
+                           "tokens");
+  }
+  AttentionOutputs<SO> result;
+  result.out.resize(q.batch, q.heads, q.length, v.dim);
+  AttentionOutputViews<SO> views(bhld_view(result.out));
+  if (detail::wants(returns, Return::logsumexp)) {
+    result.logsumexp.resize(q.batch, q.heads, q.length);
+    views.logsumexp = bhl_view(result.logsumexp);
+  }
+  if (detail::wants(returns, Return::weights)) {
+    result.weights.resize(q.batch, q.heads, q.length, k.length);
+    views.weights = bhld_view(result.weights);
+  }
+  attention_into<SQ, SKV, SO>(q, k, v, views, options);
+  return result;
 }
 
 }  // namespace detail
 
-/// Attention on (B, H, L, D) views, written into `out` (B, Hq, Lq, Dv), which may be any
-/// strided view (e.g. (B, Lq, Hq, Dv) memory, so that heads are already merged).
-/// Optional outputs: `weights` (B, Hq, Lq, Lk) and `logsumexp` (B, Hq, Lq), contiguous, in
-/// the compute scalar (float for 16-bit data).
+/// Attention on (B, H, L, D) views, written into `outputs.out` (B, Hq, Lq, Dv), which may be
+/// any strided view (e.g. (B, Lq, Hq, Dv) memory, so that heads are already merged); a plain
+/// HeadsView is an AttentionOutputViews without optional results. Optional results, in the
+/// compute scalar (float for 16-bit data), when their views are given: `logsumexp`
+/// (B, Hq, Lq) and `weights` (B, Hq, Lq, Lk), strided; neither may overlap an input, out or
+/// the other.
 ///
 /// Packed sequences (FlashAttention's varlen calls): q and out from packed_view() of the
 /// query tokens with cu_seqlens_q, k and v with cu_seqlens_k. Every option applies per
 /// sequence (causal bottom-right at n_k(b) - n_q(b), window, sink tokens, ALiBi, softcap,
 /// learned sinks, mods, every algorithm); keep_mask, bias, key_lengths, query_lengths and
-/// weights must be empty; `logsumexp` is (Hq, Tq). Work items never cross a sequence: the
-/// result is bitwise that of calling each sequence on its own with the same algorithm and
-/// tiles (docs/packed.md).
+/// weights must be empty; `logsumexp` is packed_view() of (Hq, Tq) with cu_seqlens_q. Work
+/// items never cross a sequence: the result is bitwise that of calling each sequence on its
+/// own with the same algorithm and tiles (docs/packed.md).
 template <class T>
-void scaled_dot_product_attention_into(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
-                                       const HeadsView<const T>& k,  // (B, Hkv, Lk, D)
-                                       const HeadsView<const T>& v,  // (B, Hkv, Lk, Dv)
-                                       const HeadsView<T>& out,      // (B, Hq, Lq, Dv)
-                                       const AttentionOptions<compute_scalar_t<T>>& options = {},
-                                       compute_scalar_t<T>* weights = nullptr,    // or null
-                                       compute_scalar_t<T>* logsumexp = nullptr)  // or null
-{
-  detail::attention_into<T, T, T>(q, k, v, out, options, weights, logsumexp);
+void scaled_dot_product_attention_into(
+    const HeadsView<const T>& q,                                 // (B, Hq, Lq, D)
+    const HeadsView<const T>& k,                                 // (B, Hkv, Lk, D)
+    const HeadsView<const T>& v,                                 // (B, Hkv, Lk, Dv)
+    const AttentionOutputViews<detail::identity_t<T>>& outputs,  // out (B, Hq, Lq, Dv), ...
+    const AttentionOptions<compute_scalar_t<T>>& options = {}) {
+  detail::attention_into<T, T, T>(q, k, v, outputs, options);
 }
 
 /// Mixed storage, e.g. float q and out against a 16-bit KV cache: q as TQ, k and v as TKV,
@@ -155,18 +233,23 @@ template <class TQ, class TKV, class TO,
 void scaled_dot_product_attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
                                        const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
                                        const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
+                                       const AttentionOutputViews<TO>& outputs,
+                                       const AttentionOptions<compute_scalar_t<TQ>>& options = {}) {
+  detail::attention_into<TQ, TKV, TO>(q, k, v, outputs, options);
+}
+template <class TQ, class TKV, class TO,
+          class = std::enable_if_t<!(std::is_same_v<TQ, TKV> && std::is_same_v<TQ, TO>)>>
+void scaled_dot_product_attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
+                                       const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
+                                       const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
                                        const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
-                                       const AttentionOptions<compute_scalar_t<TQ>>& options = {},
-                                       compute_scalar_t<TQ>* weights = nullptr,    // or null
-                                       compute_scalar_t<TQ>* logsumexp = nullptr)  // or null
-{
-  detail::attention_into<TQ, TKV, TO>(q, k, v, out, options, weights, logsumexp);
+                                       const AttentionOptions<compute_scalar_t<TQ>>& options = {}) {
+  detail::attention_into<TQ, TKV, TO>(q, k, v, AttentionOutputViews<TO>(out), options);
 }
 
 /// Batched attention on rank-4 row-major tensors or tensor maps (B, H, L, D).
 /// Returns out (B, Hq, Lq, Dv) stored as `Out` (default: q's scalar; e.g.
-/// `scaled_dot_product_attention<float>(q, k, v)` for float output from half inputs); fills
-/// `weights` (B, Hq, Lq, Lk) and `logsumexp` (B, Hq, Lq) in the compute scalar when given.
+/// `scaled_dot_product_attention<float>(q, k, v)` for float output from half inputs).
 /// k and v share one scalar; q may differ (float queries against a half cache).
 template <class Out = void, class TQ, class TK, class TV,
           class = std::enable_if_t<detail::is_rank4_tensor_v<TQ> && detail::is_rank4_tensor_v<TK> &&
@@ -175,69 +258,78 @@ auto scaled_dot_product_attention(
     const TQ& q,  // (B, Hq, Lq, D)
     const TK& k,  // (B, Hkv, Lk, D)
     const TV& v,  // (B, Hkv, Lk, Dv)
-    const AttentionOptions<compute_scalar_t<detail::rank4_scalar_t<TQ>>>& options = {},
-    Tensor<compute_scalar_t<detail::rank4_scalar_t<TQ>>, 4>* weights = nullptr,  // (B, Hq, Lq, Lk)
-    Tensor<compute_scalar_t<detail::rank4_scalar_t<TQ>>, 3>* logsumexp = nullptr)  // (B, Hq, Lq)
-{
+    const AttentionOptions<compute_scalar_t<detail::rank4_scalar_t<TQ>>>& options = {}) {
+  return std::move(scaled_dot_product_attention<Out>(q, k, v, options, Return::nothing_else).out);
+}
+
+/// The same, with the optional results `returns` names (Return::logsumexp (B, Hq, Lq),
+/// Return::weights (B, Hq, Lq, Lk), in the compute scalar): returns AttentionOutputs,
+/// e.g. `auto [out, lse, weights] = scaled_dot_product_attention(q, k, v, {}, Return::logsumexp)`.
+template <class Out = void, class TQ, class TK, class TV,
+          class = std::enable_if_t<detail::is_rank4_tensor_v<TQ> && detail::is_rank4_tensor_v<TK> &&
+                                   detail::is_rank4_tensor_v<TV>>>
+auto scaled_dot_product_attention(
+    const TQ& q,  // (B, Hq, Lq, D)
+    const TK& k,  // (B, Hkv, Lk, D)
+    const TV& v,  // (B, Hkv, Lk, Dv)
+    const AttentionOptions<compute_scalar_t<detail::rank4_scalar_t<TQ>>>& options, Return returns) {
   using SQ = detail::rank4_scalar_t<TQ>;
   using SKV = detail::rank4_scalar_t<TK>;
   using SO = std::conditional_t<std::is_void_v<Out>, SQ, Out>;
   static_assert(std::is_same_v<SKV, detail::rank4_scalar_t<TV>>,
                 "scaled_dot_product_attention: k and v must have the same scalar type");
-  const HeadsView<const SQ> qv = detail::as_heads_view(q);
-  const HeadsView<const SKV> kv = detail::as_heads_view(k);
-  const HeadsView<const SKV> vv = detail::as_heads_view(v);
-  detail::check_attention_shapes("scaled_dot_product_attention", qv, kv, vv);
-  if (qv.row_offsets != nullptr || kv.row_offsets != nullptr || vv.row_offsets != nullptr) {
-    detail::throw_invalid_argument("scaled_dot_product_attention",
-                                   "packed views need a packed output: call "
-                                   "scaled_dot_product_attention_into with packed_view() of the "
-                                   "output tokens");
-  }
-  Tensor<SO, 4> out(qv.batch, qv.heads, qv.length, vv.dim);
-  if (weights != nullptr)
-    weights->resize(qv.batch, qv.heads, qv.length, kv.length);
-  if (logsumexp != nullptr)
-    logsumexp->resize(qv.batch, qv.heads, qv.length);
-  detail::attention_into<SQ, SKV, SO>(qv, kv, vv, bhld_view(out), options,
-                                      weights != nullptr ? weights->data() : nullptr,
-                                      logsumexp != nullptr ? logsumexp->data() : nullptr);
-  return out;
+  return detail::attention_outputs<SO, SQ, SKV>("scaled_dot_product_attention",
+                                                detail::as_heads_view(q), detail::as_heads_view(k),
+                                                detail::as_heads_view(v), options, returns);
 }
 
 /// One head: q (Lq, D), k (Lk, D), v (Lk, Dv) -> out (Lq, Dv). Any Eigen matrix expression
 /// (column-major inputs are copied to row-major first). Masks broadcast as (1, 1, Lq, Lk);
-/// key_lengths, if given, has one entry. Fills `weights` (Lq, Lk) and `logsumexp` (Lq)
-/// when given.
+/// key_lengths, if given, has one entry. With a `Return` set, returns HeadAttentionOutputs:
+/// out and the weights (Lq, Lk) and log-sum-exp (Lq) it names.
 template <class DQ, class DK, class DV>
-Matrix<typename DQ::Scalar> scaled_dot_product_attention(
+HeadAttentionOutputs<typename DQ::Scalar> scaled_dot_product_attention(
     const Eigen::MatrixBase<DQ>& q,  // (Lq, D)
     const Eigen::MatrixBase<DK>& k,  // (Lk, D)
     const Eigen::MatrixBase<DV>& v,  // (Lk, Dv)
-    const AttentionOptions<compute_scalar_t<typename DQ::Scalar>>& options = {},
-    Matrix<compute_scalar_t<typename DQ::Scalar>>* weights = nullptr,    // (Lq, Lk)
-    Vector<compute_scalar_t<typename DQ::Scalar>>* logsumexp = nullptr)  // (Lq)
-{
+    const AttentionOptions<compute_scalar_t<typename DQ::Scalar>>& options, Return returns) {
   using T = typename DQ::Scalar;
   static_assert(std::is_same_v<T, typename DK::Scalar> && std::is_same_v<T, typename DV::Scalar>,
                 "scaled_dot_product_attention: q, k and v must have the same scalar type");
+  constexpr const char* function = "scaled_dot_product_attention";
+  detail::check_forward_returns(function, returns);
   using RowMajorRef = Eigen::Ref<const Matrix<T>, 0, Eigen::OuterStride<>>;
   const RowMajorRef qr(q), kr(k), vr(v);
   const auto view = [](const RowMajorRef& m) {
     return HeadsView<const T>{m.data(), 1, 1, m.rows(), m.cols(), 0, 0, m.outerStride()};
   };
-  Matrix<T> out(qr.rows(), vr.cols());
   const HeadsView<const T> qv = view(qr), kv = view(kr), vv = view(vr);
-  detail::check_attention_shapes("scaled_dot_product_attention", qv, kv, vv);
-  if (weights != nullptr)
-    weights->resize(qr.rows(), kr.rows());
-  if (logsumexp != nullptr)
-    logsumexp->resize(qr.rows());
-  scaled_dot_product_attention_into<T>(
-      qv, kv, vv, HeadsView<T>{out.data(), 1, 1, out.rows(), out.cols(), 0, 0, out.cols()}, options,
-      weights != nullptr ? weights->data() : nullptr,
-      logsumexp != nullptr ? logsumexp->data() : nullptr);
-  return out;
+  detail::check_attention_shapes(function, qv, kv, vv);
+  HeadAttentionOutputs<T> result;
+  result.out.resize(qr.rows(), vr.cols());
+  AttentionOutputViews<T> views(
+      HeadsView<T>{result.out.data(), 1, 1, qr.rows(), vr.cols(), 0, 0, vr.cols()});
+  if (detail::wants(returns, Return::weights)) {
+    result.weights.resize(qr.rows(), kr.rows());
+    views.weights = HeadsView<compute_scalar_t<T>>{
+        result.weights.data(), 1, 1, qr.rows(), kr.rows(), 0, 0, kr.rows()};
+  }
+  if (detail::wants(returns, Return::logsumexp)) {
+    result.logsumexp.resize(qr.rows());
+    views.logsumexp = bhl_view(result.logsumexp.data(), 1, 1, qr.rows());
+  }
+  scaled_dot_product_attention_into<T>(qv, kv, vv, views, options);
+  return result;
+}
+
+/// One head, returning out (Lq, Dv).
+template <class DQ, class DK, class DV>
+Matrix<typename DQ::Scalar> scaled_dot_product_attention(
+    const Eigen::MatrixBase<DQ>& q,  // (Lq, D)
+    const Eigen::MatrixBase<DK>& k,  // (Lk, D)
+    const Eigen::MatrixBase<DV>& v,  // (Lk, Dv)
+    const AttentionOptions<compute_scalar_t<typename DQ::Scalar>>& options = {}) {
+  return std::move(scaled_dot_product_attention(q, k, v, options, Return::nothing_else).out);
 }
 
 }  // namespace attn

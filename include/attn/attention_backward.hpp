@@ -37,22 +37,12 @@
 #include "attn/kernels/naive_backward.hpp"
 #include "attn/mask.hpp"
 #include "attn/options.hpp"
+#include "attn/outputs.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn {
-
-/// The gradients scaled_dot_product_attention_backward returns.
-template <class T>
-struct AttentionGradients {
-  using C = compute_scalar_t<T>;
-  Tensor<T, 4> dq;        ///< (B, Hq, Lq, D)
-  Tensor<T, 4> dk;        ///< (B, Hkv, Lk, D)
-  Tensor<T, 4> dv;        ///< (B, Hkv, Lk, Dv)
-  Tensor<C, 4> dbias;     ///< the bias's own dims, when requested; else empty
-  std::vector<C> dsinks;  ///< (Hq) when options.sinks is given; else empty
-};
 
 namespace detail {
 
@@ -61,32 +51,39 @@ namespace detail {
 /// that the options cannot give.
 template <class S>
 void check_backward_arguments(const char* function,
-                              const HeadsView<const S>& q,     // (B, Hq, Lq, D)
-                              const HeadsView<const S>& k,     // (B, Hkv, Lk, D)
-                              const HeadsView<const S>& v,     // (B, Hkv, Lk, Dv)
-                              const HeadsView<const S>& out,   // (B, Hq, Lq, Dv)
-                              const compute_scalar_t<S>* lse,  // (B, Hq, Lq)
-                              const HeadsView<const S>& dout,  // (B, Hq, Lq, Dv)
-                              const HeadsView<S>& dq,          // (B, Hq, Lq, D)
-                              const HeadsView<S>& dk,          // (B, Hkv, Lk, D)
-                              const HeadsView<S>& dv,          // (B, Hkv, Lk, Dv)
-                              const AttentionOptions<compute_scalar_t<S>>& options,
-                              const compute_scalar_t<S>* dbias, const compute_scalar_t<S>* dsinks) {
+                              const HeadsView<const S>& q,                     // (B, Hq, Lq, D)
+                              const HeadsView<const S>& k,                     // (B, Hkv, Lk, D)
+                              const HeadsView<const S>& v,                     // (B, Hkv, Lk, Dv)
+                              const HeadsView<const S>& out,                   // (B, Hq, Lq, Dv)
+                              const RowsView<const compute_scalar_t<S>>& lse,  // (B, Hq, Lq)
+                              const HeadsView<const S>& dout,                  // (B, Hq, Lq, Dv)
+                              const AttentionGradientViews<S>& g,
+                              const AttentionOptions<compute_scalar_t<S>>& options) {
+  using C = compute_scalar_t<S>;
   check_attention_shapes(function, q, k, v);
   const std::array<Index, 4> out_shape{q.batch, q.heads, q.length, v.dim};
   check_shape(function, "out", out.shape(), out_shape, "(B, Hq, Lq, Dv)");
   check_shape(function, "dout", dout.shape(), out_shape, "(B, Hq, Lq, Dv)");
-  check_shape(function, "dq", dq.shape(), q.shape(), "(B, Hq, Lq, D), q's shape");
-  check_shape(function, "dk", dk.shape(), k.shape(), "(B, Hkv, Lk, D), k's shape");
-  check_shape(function, "dv", dv.shape(), v.shape(), "(B, Hkv, Lk, Dv), v's shape");
-  if (lse == nullptr && q.batch * q.heads * q.length > 0) {
-    throw_invalid_argument(function,
-                           q.row_offsets != nullptr
-                               ? "logsumexp is null: pass the forward's logsumexp (Hq, Tq)"
-                               : "logsumexp is null: pass the forward's logsumexp (B, Hq, Lq)");
+  check_shape(function, "dq", g.dq.shape(), q.shape(), "(B, Hq, Lq, D), q's shape");
+  check_shape(function, "dk", g.dk.shape(), k.shape(), "(B, Hkv, Lk, D), k's shape");
+  check_shape(function, "dv", g.dv.shape(), v.shape(), "(B, Hkv, Lk, Dv), v's shape");
+  check_rows_shape(function, "logsumexp", lse, q);
+  if (g.dbias) {
+    if (options.bias.empty())
+      throw_invalid_argument(function, "dbias was requested but options.bias is not given");
+    check_shape(function, "dbias", g.dbias->shape(), options.bias.dims(), "(options.bias's dims)");
+  }
+  if (g.dsinks) {
+    if (options.sinks.empty())
+      throw_invalid_argument(function, "dsinks was requested but options.sinks is not given");
+    if (g.dsinks->size() != q.heads) {
+      throw_invalid_argument(function,
+                             "dsinks has " + std::to_string(g.dsinks->size()) +
+                                 " entries but must have Hq = " + std::to_string(q.heads));
+    }
   }
   // The gradients must not overlap any input or each other.
-  const std::pair<const char*, HeadsView<S>> outputs[] = {{"dq", dq}, {"dk", dk}, {"dv", dv}};
+  const std::pair<const char*, HeadsView<S>> outputs[] = {{"dq", g.dq}, {"dk", g.dk}, {"dv", g.dv}};
   const std::pair<const char*, HeadsView<const S>> inputs[] = {
       {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"dout", dout}};
   for (std::size_t a = 0; a < 3; ++a) {
@@ -105,11 +102,28 @@ void check_backward_arguments(const char* function,
       }
     }
   }
-  if (dbias != nullptr && options.bias.empty()) {
-    throw_invalid_argument(function, "dbias was requested but options.bias is not given");
+  // dbias and dsinks (compute scalar) against everything else, by bytes.
+  const auto overlaps_any = [&](const HeadsView<const C>& x) {
+    const auto hits = [&](const auto& named) { return byte_ranges_overlap<C, S>(x, named.second); };
+    return byte_ranges_overlap(x, rows_as_heads(lse)) ||
+           std::any_of(std::begin(inputs), std::end(inputs), hits) ||
+           std::any_of(std::begin(outputs), std::end(outputs), hits);
+  };
+  std::optional<HeadsView<const C>> dbias, dsinks;
+  if (g.dbias)
+    dbias = *g.dbias;
+  if (g.dsinks)
+    dsinks =
+        HeadsView<const C>{g.dsinks->data(), 1, 1, 1, g.dsinks->size(), 0, 0, g.dsinks->size()};
+  if (dbias && (overlaps_any(*dbias) || (dsinks && byte_ranges_overlap(*dbias, *dsinks)))) {
+    throw_invalid_argument(function,
+                           "dbias overlaps another argument: the gradients must share no element "
+                           "with the inputs or each other");
   }
-  if (dsinks != nullptr && options.sinks.empty()) {
-    throw_invalid_argument(function, "dsinks was requested but options.sinks is not given");
+  if (dsinks && overlaps_any(*dsinks)) {
+    throw_invalid_argument(function,
+                           "dsinks overlaps another argument: the gradients must share no element "
+                           "with the inputs or each other");
   }
   if (options.score_mod) {
     throw_invalid_argument(function,
@@ -122,8 +136,7 @@ void check_backward_arguments(const char* function,
 template <class S>
 void run_backward(const char* function, const BackwardViews<S>& views,
                   const AttentionOptions<compute_scalar_t<S>>& options,
-                  compute_scalar_t<S>* dbias,     // the bias's dims, or null
-                  compute_scalar_t<S>* dsinks) {  // (Hq), or null
+                  const AttentionGradientViews<S>& g) {
   using T = compute_scalar_t<S>;
   const HeadsView<const S>&q = views.q, &k = views.k;
   const T scale = resolve_scale(function, options.scale, q.dim);
@@ -134,28 +147,22 @@ void run_backward(const char* function, const BackwardViews<S>& views,
     run_naive_backward(plan, views, mask, options.softcap, scale);
   else
     run_flash_backward(plan, views, mask, options.softcap, scale);
-  if (dbias != nullptr) {
-    run_bias_gradient(plan, views, mask, scale, options.bias.dims(), dbias);
-  }
-  if (dsinks != nullptr)
-    sink_gradients(views.out, views.dout, views.lse, mask, dsinks);
+  if (g.dbias)
+    run_bias_gradient(plan, views, mask, scale, *g.dbias);
+  if (g.dsinks)
+    sink_gradients(views.out, views.dout, views.lse, mask, *g.dsinks);
 }
 
 /// The implementation of scaled_dot_product_attention_backward_into (see there).
 template <class S>
-void attention_backward_into(const HeadsView<const S>& q,     // (B, Hq, Lq, D)
-                             const HeadsView<const S>& k,     // (B, Hkv, Lk, D)
-                             const HeadsView<const S>& v,     // (B, Hkv, Lk, Dv)
-                             const HeadsView<const S>& out,   // (B, Hq, Lq, Dv)
-                             const compute_scalar_t<S>* lse,  // (B, Hq, Lq), packed (Hq, Tq)
-                             const HeadsView<const S>& dout,  // (B, Hq, Lq, Dv)
-                             const HeadsView<S>& dq,          // (B, Hq, Lq, D)
-                             const HeadsView<S>& dk,          // (B, Hkv, Lk, D)
-                             const HeadsView<S>& dv,          // (B, Hkv, Lk, Dv)
-                             const AttentionOptions<compute_scalar_t<S>>& options,
-                             compute_scalar_t<S>* dbias,     // the bias's dims, or null
-                             compute_scalar_t<S>* dsinks) {  // (Hq), or null
-  using T = compute_scalar_t<S>;
+void attention_backward_into(const HeadsView<const S>& q,                     // (B, Hq, Lq, D)
+                             const HeadsView<const S>& k,                     // (B, Hkv, Lk, D)
+                             const HeadsView<const S>& v,                     // (B, Hkv, Lk, Dv)
+                             const HeadsView<const S>& out,                   // (B, Hq, Lq, Dv)
+                             const RowsView<const compute_scalar_t<S>>& lse,  // (B, Hq, Lq)
+                             const HeadsView<const S>& dout,                  // (B, Hq, Lq, Dv)
+                             const AttentionGradientViews<S>& g,
+                             const AttentionOptions<compute_scalar_t<S>>& options) {
   static_assert(is_storage_scalar_v<S>,
                 "scaled_dot_product_attention_backward: scalars must be floating point, "
                 "Eigen::half or Eigen::bfloat16");
@@ -163,104 +170,93 @@ void attention_backward_into(const HeadsView<const S>& q,     // (B, Hq, Lq, D)
   // Packing first: views on other sequences also have other lengths, and that is the cause.
   const bool packed = check_packing(
       function,
-      {packed_rows("q", q), packed_rows("out", out), packed_rows("dout", dout),
-       packed_rows("dq", dq)},
-      {packed_rows("k", k), packed_rows("v", v), packed_rows("dk", dk), packed_rows("dv", dv)});
+      {packed_rows("q", q), packed_rows("out", out), packed_rows("logsumexp", rows_as_heads(lse)),
+       packed_rows("dout", dout), packed_rows("dq", g.dq)},
+      {packed_rows("k", k), packed_rows("v", v), packed_rows("dk", g.dk), packed_rows("dv", g.dv)});
   check_attention_shapes(function, q, k, v);
   if (packed)
     check_packed_options(function, options);
-  check_backward_arguments(function, q, k, v, out, lse, dout, dq, dk, dv, options, dbias, dsinks);
-  if (!packed) {
-    run_backward(
-        function,
-        BackwardViews<S>{q, k, v, out, dout, padded_rows(lse, q.heads, q.length), dq, dk, dv},
-        options, dbias, dsinks);
-    return;
-  }
-  run_backward(function,
-               BackwardViews<S>{q, k, v, out, dout,
-                                RowValues<const T>{lse, 0, q.row_offsets[q.batch], q.row_offsets},
-                                dq, dk, dv},
-               per_sequence_options(options, q, k), dbias, dsinks);
+  check_backward_arguments(function, q, k, v, out, lse, dout, g, options);
+  const BackwardViews<S> views{q, k, v, out, dout, row_values(lse), g.dq, g.dk, g.dv};
+  run_backward(function, views, packed ? per_sequence_options(options, q, k) : options, g);
 }
 
 }  // namespace detail
 
-/// Gradients on (B, H, L, D) views (any strides, e.g. (B, L, H, D) memory), written into dq,
-/// dk and dv, which must share no element with the inputs or each other. `logsumexp`
-/// (B, Hq, Lq) contiguous, as the forward returned it for the same options. Packed sequences:
-/// every view packed as in the forward (q, out, dout and dq with cu_seqlens_q; k, v, dk and
-/// dv with cu_seqlens_k), `logsumexp` (Hq, Tq); every option of the packed forward, each
-/// within its sequence (dropout, mask_mod and block_mask see the sequence's index as b);
-/// dsinks summed over the sequences. `dbias`, if not
-/// null, receives the bias's gradient in the bias's own dims (contiguous; options.bias must
-/// be given); `dsinks` (Hq), if not null, the learned sinks' (options.sinks must be given).
+/// Gradients on (B, H, L, D) views (any strides, e.g. (B, L, H, D) memory), written into
+/// grads.dq, dk and dv, which must share no element with the inputs or each other.
+/// `logsumexp` (B, Hq, Lq) as the forward returned it for the same options. Optional, when
+/// their views are given: grads.dbias, the bias's gradient in the bias's own dims
+/// (options.bias must be given), and grads.dsinks (Hq), the learned sinks' (options.sinks
+/// must be given); both in the compute scalar. Packed sequences: every view packed as in the
+/// forward (q, out, dout and dq with cu_seqlens_q; k, v, dk and dv with cu_seqlens_k),
+/// `logsumexp` packed_view() of (Hq, Tq); every option of the packed forward, each within
+/// its sequence (dropout, mask_mod and block_mask see the sequence's index as b); dsinks
+/// summed over the sequences.
 template <class T>
 void scaled_dot_product_attention_backward_into(
-    const HeadsView<const T>& q,           // (B, Hq, Lq, D)
-    const HeadsView<const T>& k,           // (B, Hkv, Lk, D)
-    const HeadsView<const T>& v,           // (B, Hkv, Lk, Dv)
-    const HeadsView<const T>& out,         // (B, Hq, Lq, Dv)
-    const compute_scalar_t<T>* logsumexp,  // (B, Hq, Lq)
-    const HeadsView<const T>& dout,        // (B, Hq, Lq, Dv)
-    const HeadsView<T>& dq,                // (B, Hq, Lq, D)
-    const HeadsView<T>& dk,                // (B, Hkv, Lk, D)
-    const HeadsView<T>& dv,                // (B, Hkv, Lk, Dv)
-    const AttentionOptions<compute_scalar_t<T>>& options = {},
-    compute_scalar_t<T>* dbias = nullptr,   // the bias's dims, or null
-    compute_scalar_t<T>* dsinks = nullptr)  // (Hq), or null
-{
-  detail::attention_backward_into<T>(q, k, v, out, logsumexp, dout, dq, dk, dv, options, dbias,
-                                     dsinks);
+    const HeadsView<const T>& q,                                 // (B, Hq, Lq, D)
+    const HeadsView<const T>& k,                                 // (B, Hkv, Lk, D)
+    const HeadsView<const T>& v,                                 // (B, Hkv, Lk, Dv)
+    const HeadsView<const T>& out,                               // (B, Hq, Lq, Dv)
+    const RowsView<const compute_scalar_t<T>>& logsumexp,        // (B, Hq, Lq)
+    const HeadsView<const T>& dout,                              // (B, Hq, Lq, Dv)
+    const AttentionGradientViews<detail::identity_t<T>>& grads,  // dq, dk, dv, ...
+    const AttentionOptions<compute_scalar_t<T>>& options = {}) {
+  detail::attention_backward_into<T>(q, k, v, out, logsumexp, dout, grads, options);
 }
 
-/// Gradients of batched attention on rank-4 row-major tensors (B, H, L, D) of one scalar:
-/// `out` and `logsumexp` as scaled_dot_product_attention returned them for the same inputs
-/// and options. dsinks is filled when options.sinks is given; dbias when `bias_gradient`
-/// (options.bias must then be given).
-template <class T>
-AttentionGradients<T> scaled_dot_product_attention_backward(
-    const Tensor<T, 4>& q,                            // (B, Hq, Lq, D)
-    const Tensor<T, 4>& k,                            // (B, Hkv, Lk, D)
-    const Tensor<T, 4>& v,                            // (B, Hkv, Lk, Dv)
-    const Tensor<T, 4>& out,                          // (B, Hq, Lq, Dv)
-    const Tensor<compute_scalar_t<T>, 3>& logsumexp,  // (B, Hq, Lq)
-    const Tensor<T, 4>& dout,                         // (B, Hq, Lq, Dv)
-    const AttentionOptions<compute_scalar_t<T>>& options = {}, bool bias_gradient = false) {
+/// Gradients of batched attention on rank-4 row-major tensors or tensor maps (B, H, L, D) of
+/// one scalar: `out` and `logsumexp` as scaled_dot_product_attention returned them for the
+/// same inputs and options. Returns dq, dk and dv, and the gradients `returns` names:
+/// Return::dbias (options.bias must be given) and Return::dsinks (options.sinks must be
+/// given).
+template <class TQ, class TK, class TV, class TO, class TD,
+          class = std::enable_if_t<detail::is_rank4_tensor_v<TQ> && detail::is_rank4_tensor_v<TK> &&
+                                   detail::is_rank4_tensor_v<TV> && detail::is_rank4_tensor_v<TO> &&
+                                   detail::is_rank4_tensor_v<TD>>>
+AttentionGradients<detail::rank4_scalar_t<TQ>> scaled_dot_product_attention_backward(
+    const TQ& q,                                                               // (B, Hq, Lq, D)
+    const TK& k,                                                               // (B, Hkv, Lk, D)
+    const TV& v,                                                               // (B, Hkv, Lk, Dv)
+    const TO& out,                                                             // (B, Hq, Lq, Dv)
+    const Tensor<compute_scalar_t<detail::rank4_scalar_t<TQ>>, 3>& logsumexp,  // (B, Hq, Lq)
+    const TD& dout,                                                            // (B, Hq, Lq, Dv)
+    const AttentionOptions<compute_scalar_t<detail::rank4_scalar_t<TQ>>>& options = {},
+    Return returns = Return::nothing_else) {
+  using T = detail::rank4_scalar_t<TQ>;
+  using C = compute_scalar_t<T>;
+  static_assert(std::is_same_v<T, detail::rank4_scalar_t<TK>> &&
+                    std::is_same_v<T, detail::rank4_scalar_t<TV>> &&
+                    std::is_same_v<T, detail::rank4_scalar_t<TO>> &&
+                    std::is_same_v<T, detail::rank4_scalar_t<TD>>,
+                "scaled_dot_product_attention_backward: q, k, v, out and dout must share one "
+                "scalar type");
   constexpr const char* function = "scaled_dot_product_attention_backward";
+  detail::check_backward_returns(function, returns);
   const HeadsView<const T> qv = detail::as_heads_view(q), kv = detail::as_heads_view(k),
                            vv = detail::as_heads_view(v);
   detail::check_attention_shapes(function, qv, kv, vv);
-  const std::array<Index, 3> lse_shape{qv.batch, qv.heads, qv.length};
-  const std::array<Index, 3> given{logsumexp.dimension(0), logsumexp.dimension(1),
-                                   logsumexp.dimension(2)};
-  if (given != lse_shape) {
-    detail::throw_invalid_argument(
-        function,
-        "logsumexp is " + detail::shape_string({given[0], given[1], given[2]}) + " but must be " +
-            detail::shape_string({lse_shape[0], lse_shape[1], lse_shape[2]}) + " (B, Hq, Lq)");
-  }
+  if (detail::wants(returns, Return::dbias) && options.bias.empty())
+    detail::throw_invalid_argument(function, "Return::dbias but options.bias is not given");
+  if (detail::wants(returns, Return::dsinks) && options.sinks.empty())
+    detail::throw_invalid_argument(function, "Return::dsinks but options.sinks is not given");
   AttentionGradients<T> g;
-  g.dq.resize(q.dimensions());
-  g.dk.resize(k.dimensions());
-  g.dv.resize(v.dimensions());
-  using C = compute_scalar_t<T>;
-  C* dbias = nullptr;
-  if (bias_gradient) {
-    if (options.bias.empty()) {
-      detail::throw_invalid_argument(function,
-                                     "bias_gradient is true but options.bias is not given");
-    }
+  g.dq.resize(qv.batch, qv.heads, qv.length, qv.dim);
+  g.dk.resize(kv.batch, kv.heads, kv.length, kv.dim);
+  g.dv.resize(vv.batch, vv.heads, vv.length, vv.dim);
+  AttentionGradientViews<T> views{bhld_view(g.dq), bhld_view(g.dk), bhld_view(g.dv)};
+  if (detail::wants(returns, Return::dbias)) {
     const auto& d = options.bias.dims();
     g.dbias.resize(d[0], d[1], d[2], d[3]);
-    dbias = g.dbias.data();
+    views.dbias = bhld_view(g.dbias);
   }
-  if (!options.sinks.empty())
+  if (detail::wants(returns, Return::dsinks)) {
     g.dsinks.resize(options.sinks.size());
-  detail::attention_backward_into<T>(qv, kv, vv, detail::as_heads_view(out), logsumexp.data(),
-                                     detail::as_heads_view(dout), bhld_view(g.dq), bhld_view(g.dk),
-                                     bhld_view(g.dv), options, dbias,
-                                     g.dsinks.empty() ? nullptr : g.dsinks.data());
+    views.dsinks.emplace(g.dsinks.data(), static_cast<Index>(g.dsinks.size()));
+  }
+  detail::attention_backward_into<T>(qv, kv, vv, detail::as_heads_view(out), bhl_view(logsumexp),
+                                     detail::as_heads_view(dout), views, options);
   return g;
 }
 

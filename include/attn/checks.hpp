@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "attn/config.hpp"
+#include "attn/outputs.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn::detail {
@@ -59,6 +60,49 @@ inline void check_shape(const char* function, const char* name, const std::array
         function, std::string(name) + " is " +
                       shape_string({actual[0], actual[1], actual[2], actual[3]}) + " but must be " +
                       shape_string({wanted[0], wanted[1], wanted[2], wanted[3]}) + " " + legend);
+  }
+}
+
+/// T itself, in a parameter that must not take part in template argument deduction (so
+/// that a braced list or a converting argument still matches).
+template <class T>
+struct identity {
+  using type = T;
+};
+template <class T>
+using identity_t = typename identity<T>::type;
+
+/// Throws unless `rows` (e.g. the log-sum-exp) is (B, Hq, Lq), q's batch, heads and length;
+/// packed views are held to q's offsets by check_packing.
+template <class TR, class TQ>
+void check_rows_shape(const char* function, const char* name, const RowsView<TR>& rows,
+                      const HeadsView<const TQ>& q) {
+  const std::array<Index, 3> wanted{q.batch, q.heads, q.length};
+  if (rows.shape() != wanted) {
+    throw_invalid_argument(
+        function, std::string(name) + " is " + shape_string({rows.batch, rows.heads, rows.length}) +
+                      " but must be " + shape_string({wanted[0], wanted[1], wanted[2]}) +
+                      (q.row_offsets != nullptr ? " (B, Hq, Lq), packed like q" : " (B, Hq, Lq)"));
+  }
+  if (rows.data == nullptr && q.batch * q.heads * q.length > 0)
+    throw_invalid_argument(function, std::string(name) + " has no data");
+}
+
+/// Throws unless a forward's `Return` set names only forward results.
+inline void check_forward_returns(const char* function, Return returns) {
+  if (wants(returns, Return::dbias) || wants(returns, Return::dsinks)) {
+    throw_invalid_argument(function,
+                           "Return::dbias and Return::dsinks are gradients: ask "
+                           "scaled_dot_product_attention_backward for them");
+  }
+}
+
+/// Throws unless a backward's `Return` set names only gradients.
+inline void check_backward_returns(const char* function, Return returns) {
+  if (wants(returns, Return::logsumexp) || wants(returns, Return::weights)) {
+    throw_invalid_argument(function,
+                           "Return::logsumexp and Return::weights are forward results: ask "
+                           "scaled_dot_product_attention for them");
   }
 }
 

@@ -37,6 +37,7 @@
 #include "attn/config.hpp"
 #include "attn/kernels/decode.hpp"
 #include "attn/mask.hpp"
+#include "attn/outputs.hpp"
 #include "attn/rope.hpp"
 #include "attn/tensor.hpp"
 
@@ -198,13 +199,14 @@ class KVCache {
   /// sequences included). `options` may add a window, sink tokens, ALiBi slopes, a softcap,
   /// learned sinks, a scale, a keep-mask and a bias (both broadcastable to (B, Hq, Lq, Lk),
   /// Lk = max_length(), key j being cache row j of each sequence); its causal, key_lengths
-  /// and query_lengths must be left unset (the cache decides them). `logsumexp`
-  /// (B, Hq, Lq) contiguous, or null.
-  void attend_into(const HeadsView<const compute_type>& q,  // (B, Hq, Lq, D)
-                   const HeadsView<compute_type>& out,      // (B, Hq, Lq, Dv)
-                   const AttentionOptions<compute_type>& options = {},
-                   compute_type* logsumexp = nullptr) const {  // (B, Hq, Lq) or null
+  /// and query_lengths must be left unset (the cache decides them). Optional results as
+  /// in scaled_dot_product_attention_into: outputs.logsumexp (B, Hq, Lq) and outputs.weights
+  /// (B, Hq, Lq, Lk), Lk = max_length().
+  void attend_into(const HeadsView<const compute_type>& q,             // (B, Hq, Lq, D)
+                   const AttentionOutputViews<compute_type>& outputs,  // out (B, Hq, Lq, Dv), ...
+                   const AttentionOptions<compute_type>& options = {}) const {
     constexpr const char* function = "KVCache::attend";
+    const HeadsView<compute_type>& out = outputs.out;
     // The rules and wording of scaled_dot_product_attention, k and v being the cache's.
     const HeadsView<const S> keys = keys_view(), values = values_view();
     detail::check_attention_shapes(function, q, keys, values, "k (cached)", "v (cached)");
@@ -233,7 +235,7 @@ class KVCache {
     o.causal = Causal::bottom_right;
     if (std::any_of(lengths_.begin(), lengths_.end(), [&](Index n) { return n != max_length(); }))
       o.key_lengths = lengths_;
-    run(q, keys, values, out, o, logsumexp);
+    run(q, keys, values, outputs, o);
   }
 
   /// attend_into() returning out (B, Hq, Lq, Dv); q is a rank-4 tensor (B, Hq, Lq, D).
@@ -249,13 +251,14 @@ class KVCache {
 
   /// One attention call on views of equal-length sequences, through the public entry point:
   /// decode for a few queries, flash for a prompt; a 16-bit cache is widened as it is read.
-  static void run(const HeadsView<const C>& q, const HeadsView<const S>& k,
-                  const HeadsView<const S>& v, const HeadsView<C>& out,
-                  const AttentionOptions<C>& options, C* logsumexp) {
+  static void run(const HeadsView<const C>& q,  // (B, Hq, Lq, D)
+                  const HeadsView<const S>& k,  // (B, Hkv, Lk, D)
+                  const HeadsView<const S>& v,  // (B, Hkv, Lk, Dv)
+                  const AttentionOutputViews<C>& outputs, const AttentionOptions<C>& options) {
     if constexpr (std::is_same_v<S, C>)
-      scaled_dot_product_attention_into<C>(q, k, v, out, options, nullptr, logsumexp);
+      scaled_dot_product_attention_into<C>(q, k, v, outputs, options);
     else
-      scaled_dot_product_attention_into(q, k, v, out, options, nullptr, logsumexp);
+      scaled_dot_product_attention_into(q, k, v, outputs, options);
   }
 
   HeadsView<const S> view(const S* data, Index dim) const {

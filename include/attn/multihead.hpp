@@ -625,23 +625,22 @@ class MultiHeadAttention {
     // pass 2: attention, written as (B, L, H, D) = (B, L, E).
     workspace.attn.resize(batch * q_length, e);
     const HeadsView<T> out = blhd_view(workspace.attn.data(), batch, q_length, heads, d);
-    C* weights = nullptr;  // in the compute scalar; 16-bit results are rounded afterwards
-    if (options.need_weights) {
+    AttentionOutputViews<T> outputs(out);  // weights in the compute scalar: 16-bit results
+    if (options.need_weights) {            // are rounded afterwards
       if constexpr (std::is_same_v<T, C>) {
         Tensor<C, 4>& w = options.average_attn_weights ? workspace.head_weights : result.weights;
         w.resize(batch, heads, q_length, kv_length);
-        weights = w.data();
+        outputs.weights = bhld_view(w);
       } else {
         workspace.head_weights.resize(batch, heads, q_length, kv_length);
-        weights = workspace.head_weights.data();
+        outputs.weights = bhld_view(workspace.head_weights);
       }
     }
-    C* lse = nullptr;
     if (logsumexp != nullptr) {
       logsumexp->resize(batch, heads, q_length);
-      lse = logsumexp->data();
+      outputs.logsumexp = bhl_view(*logsumexp);
     }
-    scaled_dot_product_attention_into<T>(qv, kv, vv, out, attention, weights, lse);
+    scaled_dot_product_attention_into<T>(qv, kv, vv, outputs, attention);
     if (!options.need_weights || options.average_attn_weights) {
       result.weights = Tensor<T, 4>();
     } else if constexpr (!std::is_same_v<T, C>) {
@@ -654,7 +653,8 @@ class MultiHeadAttention {
       for (Index b = 0; b < batch; ++b) {
         avg.setZero();
         for (Index h = 0; h < heads; ++h) {
-          avg += Eigen::Map<const Vector<C>>(weights + (b * heads + h) * plane, plane);
+          avg +=
+              Eigen::Map<const Vector<C>>(outputs.weights->data + (b * heads + h) * plane, plane);
         }
         avg /= static_cast<C>(heads);
         Eigen::Map<Vector<T>>(result.averaged_weights.data() + b * plane, plane) =
@@ -831,8 +831,8 @@ class MultiHeadAttention {
     const AttentionOptions<C> attention = backward_attention_options(context);
     scaled_dot_product_attention_backward_into<T>(
         qv, kv, vv, blhd_view(static_cast<const T*>(ws.attn.data()), batch, q_length, heads, d),
-        context.logsumexp.data(),
-        blhd_view(static_cast<const T*>(d_attn.data()), batch, q_length, heads, d), dqv, dkv, dvv,
+        bhl_view(context.logsumexp),
+        blhd_view(static_cast<const T*>(d_attn.data()), batch, q_length, heads, d), {dqv, dkv, dvv},
         attention);
     if (has_rotary()) {  // the transpose of the forward's rotation, at the same positions
       rotary_.apply_backward(dqv);

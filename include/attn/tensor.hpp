@@ -196,6 +196,87 @@ RowValues<T> padded_rows(T* data, Index heads, Index length) {
 
 }  // namespace detail
 
+/// Per-row values of (B, H, L) heads, such as the log-sum-exp of every query row: free B and
+/// H strides, the L rows of one head contiguous (the layout of PyTorch's (B, H, L) and of
+/// FlashAttention's packed (H, T) log-sum-exp). Packed like a packed HeadsView: `row_offsets`
+/// (B + 1) gives where each sequence starts and `length` is the longest (packed_view()).
+/// Non-owning: the memory must outlive it.
+template <class T>
+struct RowsView {
+  T* data = nullptr;
+  Index batch = 0, heads = 0, length = 0;   // (B, H, L)
+  Index batch_stride = 0, head_stride = 0;  // in elements; the row stride is 1
+  const Index* row_offsets = nullptr;       // (B + 1), packed views only
+
+  std::array<Index, 3> shape() const { return {batch, heads, length}; }
+
+  /// A read-only view of the same memory.
+  operator RowsView<const T>() const {  // NOLINT(google-explicit-constructor): const view
+    return {data, batch, heads, length, batch_stride, head_stride, row_offsets};
+  }
+};
+
+/// View of contiguous (B, H, L) memory.
+template <class T>
+RowsView<T> bhl_view(T* data, Index batch, Index heads, Index length) {
+  return {data, batch, heads, length, heads * length, length, nullptr};
+}
+
+/// View of a rank-3 row-major tensor (B, H, L).
+template <class S>
+RowsView<const S> bhl_view(const Tensor<S, 3>& t) {
+  return bhl_view(t.data(), t.dimension(0), t.dimension(1), t.dimension(2));
+}
+template <class S>
+RowsView<S> bhl_view(Tensor<S, 3>& t) {
+  return bhl_view(t.data(), t.dimension(0), t.dimension(1), t.dimension(2));
+}
+
+/// Packed per-row values: `tokens` (1, H, T), e.g. bhl_view(data, 1, H, T) of FlashAttention's
+/// (H, T) log-sum-exp, read as the sequences of `cu_seqlens` (checked as packed_view() of
+/// heads checks it, and must outlive the view).
+template <class T>
+RowsView<T> packed_view(const RowsView<T>& tokens,               // (1, H, T)
+                        const std::vector<Index>& cu_seqlens) {  // (B + 1)
+  constexpr const char* function = "packed_view";
+  if (tokens.batch != 1 || tokens.row_offsets != nullptr) {
+    detail::throw_invalid_argument(
+        function, "tokens is " + detail::shape_string({tokens.batch, tokens.heads, tokens.length}) +
+                      (tokens.row_offsets != nullptr ? ", already packed" : "") +
+                      ": it must be the (1, H, T) rows of all tokens (e.g. "
+                      "bhl_view(data, 1, H, T))");
+  }
+  detail::check_sequence_offsets(function, "cu_seqlens", cu_seqlens, tokens.length);
+  RowsView<T> packed = tokens;
+  packed.batch = static_cast<Index>(cu_seqlens.size()) - 1;
+  packed.batch_stride = 0;
+  packed.row_offsets = cu_seqlens.data();
+  packed.length = 0;
+  for (std::size_t b = 0; b + 1 < cu_seqlens.size(); ++b)
+    packed.length = std::max(packed.length, cu_seqlens[b + 1] - cu_seqlens[b]);
+  return packed;
+}
+template <class T>
+RowsView<T> packed_view(const RowsView<T>& tokens, std::vector<Index>&& cu_seqlens) = delete;
+
+/// packed_view() of an (H, T) tensor, FlashAttention's packed log-sum-exp.
+template <class S>
+RowsView<const S> packed_view(const Tensor<S, 2>& tokens,              // (H, T)
+                              const std::vector<Index>& cu_seqlens) {  // (B + 1)
+  return packed_view(bhl_view(tokens.data(), 1, tokens.dimension(0), tokens.dimension(1)),
+                     cu_seqlens);
+}
+template <class S>
+RowsView<S> packed_view(Tensor<S, 2>& tokens,                    // (H, T)
+                        const std::vector<Index>& cu_seqlens) {  // (B + 1)
+  return packed_view(bhl_view(tokens.data(), 1, tokens.dimension(0), tokens.dimension(1)),
+                     cu_seqlens);
+}
+template <class S>
+RowsView<const S> packed_view(const Tensor<S, 2>& tokens, std::vector<Index>&& cu_seqlens) = delete;
+template <class S>
+RowsView<S> packed_view(Tensor<S, 2>& tokens, std::vector<Index>&& cu_seqlens) = delete;
+
 /// View of contiguous (B, H, L, D) memory (PyTorch's SDPA layout).
 template <class T>
 HeadsView<T> bhld_view(T* data, Index batch, Index heads, Index length, Index dim) {
@@ -338,6 +419,19 @@ bool byte_ranges_overlap(const HeadsView<const A>& a_view, const HeadsView<const
   const auto [a_first, a_last] = bytes(a);
   const auto [b_first, b_last] = bytes(b);
   return a_first < a_last && b_first < b_last && a_first < b_last && b_first < a_last;
+}
+
+/// A RowsView as the (B, H, L, 1) heads view that the shape, packing and overlap checks
+/// measure.
+template <class T>
+HeadsView<T> rows_as_heads(const RowsView<T>& r) {
+  return {r.data, r.batch, r.heads, r.length, 1, r.batch_stride, r.head_stride, 1, r.row_offsets};
+}
+
+/// Where the kernels write a RowsView's values (row i of (b, h) at head(b, h)[i]).
+template <class T>
+RowValues<T> row_values(const RowsView<T>& r) {
+  return {r.data, r.batch_stride, r.head_stride, r.row_offsets};
 }
 
 /// Read-only (B, H, L, D) view of anything rank4_tensor accepts.

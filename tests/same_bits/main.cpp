@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <attn/attn.hpp>
+#include "support/results.hpp"
 
 using attn::Index;
 
@@ -80,7 +81,9 @@ void forward(std::uint32_t seed) {
               attn::Algorithm::flash, attn::Algorithm::decode}) {
           o.algorithm = algorithm;
           attn::Tensor<C, 3> lse;
-          mix(attn::scaled_dot_product_attention(q, k, v, o, nullptr, &lse));
+          mix(attn_test::out_of(
+              attn::scaled_dot_product_attention(q, k, v, o, attn::Return::logsumexp), nullptr,
+              &lse));
           mix(lse);
         }
       }
@@ -100,7 +103,8 @@ void backward(std::uint32_t seed) {
       for (const auto algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
         o.algorithm = algorithm;
         attn::Tensor<C, 3> lse;
-        const auto out = attn::scaled_dot_product_attention(q, k, v, o, nullptr, &lse);
+        const auto out = attn_test::out_of(
+            attn::scaled_dot_product_attention(q, k, v, o, attn::Return::logsumexp), nullptr, &lse);
         const auto g = attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, o);
         mix(g.dq);
         mix(g.dk);
@@ -117,16 +121,17 @@ void backward(std::uint32_t seed) {
   using attn::packed_view;
   attn::Tensor<C, 2> lse(4, 90);      // (Hq, Tq)
   attn::Tensor<T, 3> out(90, 4, 12);  // (Tq, Hq, Dv)
-  attn::scaled_dot_product_attention_into<T>(packed_view(q, cu_q), packed_view(k, cu_k),
-                                             packed_view(v, cu_k), packed_view(out, cu_q), o,
-                                             nullptr, lse.data());
+  attn::scaled_dot_product_attention_into<T>(
+      packed_view(q, cu_q), packed_view(k, cu_k), packed_view(v, cu_k),
+      attn::AttentionOutputViews{packed_view(out, cu_q), packed_view(lse, cu_q)}, o);
   mix(out);
   mix(lse);
   attn::Tensor<T, 3> dq(q.dimensions()), dk(k.dimensions()), dv(v.dimensions());
   attn::scaled_dot_product_attention_backward_into<T>(
       packed_view(q, cu_q), packed_view(k, cu_k), packed_view(v, cu_k),
-      packed_view(std::as_const(out), cu_q), lse.data(), packed_view(dout, cu_q),
-      packed_view(dq, cu_q), packed_view(dk, cu_k), packed_view(dv, cu_k), o);
+      packed_view(std::as_const(out), cu_q), packed_view(std::as_const(lse), cu_q),
+      packed_view(dout, cu_q),
+      {packed_view(dq, cu_q), packed_view(dk, cu_k), packed_view(dv, cu_k)}, o);
   mix(dq);
   mix(dk);
   mix(dv);

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <optional>
 
 #include <Eigen/Core>
 
@@ -35,19 +36,18 @@ void naive_attention_head(const HeadMatrix<const T>& q,  // (Lq, D)
                           const HeadMatrix<const T>& v,  // (Lk, Dv)
                           HeadMatrix<T> out,             // (Lq, Dv)
                           const Mask<T>& mask, Index b, Index h, T scale,
-                          Matrix<T>& workspace,  // reused between calls; resized to (Lq, n_k)
-                          T* weights,            // (Lq, Lk) contiguous, or null
-                          T* logsumexp) {        // (Lq), or null
+                          Matrix<T>& workspace,    // reused between calls; resized to (Lq, n_k)
+                          HeadMatrix<T>* weights,  // (Lq, Lk), or null
+                          T* logsumexp) {          // (Lq), or null
   const Index q_length = q.rows();
   const Index k_length = k.rows();
   const Index keys = std::min(k_length, mask.key_length(b));
   if (weights == nullptr)
     workspace.resize(q_length, keys);
-  HeadMatrix<T> scores(weights != nullptr ? weights : workspace.data(), q_length, keys,
-                       Eigen::OuterStride<>(weights != nullptr ? k_length : keys));
-  if (weights != nullptr && keys < k_length) {
-    Eigen::Map<Matrix<T>>(weights, q_length, k_length).rightCols(k_length - keys).setZero();
-  }
+  HeadMatrix<T> scores(weights != nullptr ? weights->data() : workspace.data(), q_length, keys,
+                       Eigen::OuterStride<>(weights != nullptr ? weights->outerStride() : keys));
+  if (weights != nullptr && keys < k_length)
+    weights->rightCols(k_length - keys).setZero();
 
   scores.noalias() = scale * (q * k.topRows(keys).transpose());  // pass 1
   if (!mask.is_trivial())
@@ -70,10 +70,10 @@ void run_naive(const KernelPlan& plan,
                const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
                const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
                const Mask<compute_scalar_t<TQ>>& mask, compute_scalar_t<TQ> scale,
-               compute_scalar_t<TQ>* weights,  // (B, Hq, Lq, Lk) or null (padded only)
+               const HeadsView<compute_scalar_t<TQ>>* weights,      // (B, Hq, Lq, Lk) or null
                const RowValues<compute_scalar_t<TQ>>& logsumexp) {  // (B, Hq, Lq) or null
   using T = compute_scalar_t<TQ>;
-  const Index q_heads = q.heads, q_length = q.length, k_length = k.length;
+  const Index q_heads = q.heads;
   const Index group = q_heads / k.heads;
   struct Scratch {
     Matrix<T> scores;  // (Lq, Lk), reused across heads
@@ -86,11 +86,12 @@ void run_naive(const KernelPlan& plan,
       [&](Index item, Scratch& s) {
         const Index b = item / q_heads, h = item % q_heads;
         const Index rows = q.rows(b);
+        std::optional<HeadMatrix<T>> weights_head =
+            weights != nullptr ? std::optional<HeadMatrix<T>>(weights->head(b, h)) : std::nullopt;
         naive_attention_head<T>(
             s.q_head(plan.isa, q, b, h), s.k_head(plan.isa, k, b, h / group),
             s.v_head(plan.isa, v, b, h / group), s.out_rows.rows(out.head(b, h), 0, rows), mask, b,
-            h, scale, s.scores, weights != nullptr ? weights + item * q_length * k_length : nullptr,
-            logsumexp.head(b, h));
+            h, scale, s.scores, weights_head ? &*weights_head : nullptr, logsumexp.head(b, h));
         s.out_rows.store(out.head(b, h), 0, rows);
       });
 }

@@ -141,19 +141,18 @@ void run_naive_backward(const KernelPlan& plan, const BackwardViews<S>& x,
 }
 
 /// The gradient of the bias (options.bias, of dims `bias_dims`, each 1 or the full size),
-/// written into `dbias` (contiguous, those dims): the score gradients ds summed over the
+/// written into the view `dbias` of those dims: the score gradients ds summed over the
 /// dimensions the bias broadcasts along, plan.query_tile rows at a time.
 template <class S>
 void run_bias_gradient(const KernelPlan& plan, const BackwardViews<S>& x,
                        const Mask<compute_scalar_t<S>>& mask, compute_scalar_t<S> scale,
-                       const std::array<Index, 4>& bias_dims,
-                       compute_scalar_t<S>* dbias) {  // bias_dims
+                       const HeadsView<compute_scalar_t<S>>& dbias) {  // the bias's dims
   using T = compute_scalar_t<S>;
+  const std::array<Index, 4> bias_dims = dbias.shape();
   const Index group = x.group(), q_length = x.q.length, query_tile = plan.query_tile;
   const bool per_batch = bias_dims[0] != 1, per_head = bias_dims[1] != 1;
   const bool per_query = bias_dims[2] != 1, per_key = bias_dims[3] != 1;
   const Index tiles = per_query ? std::max<Index>(1, (q_length + query_tile - 1) / query_tile) : 1;
-  const Index slice = bias_dims[2] * bias_dims[3];  // one (b, h) of dbias
   const Index items = bias_dims[0] * bias_dims[1] * tiles;
   struct Scratch {
     ScoreGradientScratch<T> gradients;
@@ -167,11 +166,8 @@ void run_bias_gradient(const KernelPlan& plan, const BackwardViews<S>& x,
         const Index bb = bias_head / bias_dims[1], hh = bias_head % bias_dims[1];
         const Index i0 = per_query ? tile * query_tile : 0;
         const Index i1 = per_query ? std::min(q_length, i0 + query_tile) : q_length;
-        T* target = dbias + bias_head * slice;
-        if (per_query)
-          std::fill(target + i0 * bias_dims[3], target + i1 * bias_dims[3], T(0));
-        else
-          std::fill(target, target + slice, T(0));
+        HeadMatrix<T> target = dbias.head(bb, hh);  // (Lq or 1, Lk or 1)
+        target.middleRows(per_query ? i0 : 0, per_query ? i1 - i0 : 1).setZero();
         for (Index b = per_batch ? bb : 0; b < (per_batch ? bb + 1 : x.q.batch); ++b) {
           for (Index h = per_head ? hh : 0; h < (per_head ? hh + 1 : x.q.heads); ++h) {
             const HeadMatrix<const T> k_head = s.k_head(plan.isa, x.k, b, h / group);
@@ -185,7 +181,7 @@ void run_bias_gradient(const KernelPlan& plan, const BackwardViews<S>& x,
                                  x.lse_of(b, h) + r0, mask, false, b, h, r0, scale, s.gradients);
               const Index keys = s.gradients.ds.cols();
               for (Index r = 0; r < n; ++r) {
-                T* row = target + (per_query ? (r0 + r) * bias_dims[3] : 0);
+                T* row = target.row(per_query ? r0 + r : 0).data();
                 for (Index j = 0; j < keys; ++j)
                   row[per_key ? j : 0] += s.gradients.ds(r, j);
               }
@@ -202,7 +198,7 @@ void sink_gradients(const HeadsView<const S>& out,                    // (B, Hq,
                     const HeadsView<const S>& dout,                   // (B, Hq, Lq, Dv)
                     const RowValues<const compute_scalar_t<S>>& lse,  // (B, Hq, Lq) or (Hq, T)
                     const Mask<compute_scalar_t<S>>& mask,
-                    compute_scalar_t<S>* dsinks) {  // (Hq)
+                    Eigen::Map<Vector<compute_scalar_t<S>>> dsinks) {  // (Hq)
   using T = compute_scalar_t<S>;
   for (Index h = 0; h < out.heads; ++h) {
     T sum = 0;
