@@ -126,7 +126,7 @@ def translation_unit(page_snippets, display, preamble="snippet_preamble.hpp"):
             out.append(f'#line {s.line} "{display}"')
             out += [MAIN.sub("int snippet_main(", t) for t in code]
             out.append("#line 1 \"snippet_glue\"")
-            out.append("void run() { attn_docs::expect_zero(snippet_main()); }")
+            out.append("void run() { attn_docs::expect_zero(attn_docs::call_main(&snippet_main)); }")
         else:
             out.append("[[maybe_unused]] void run() {")
             if s.setup:

@@ -14,6 +14,7 @@
 #include <iostream>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace attn_docs {
@@ -48,6 +49,18 @@ struct Snippet {
 struct NonZeroExit : std::exception {
   const char* what() const noexcept override { return "main returned non-zero"; }
 };
+
+// The main of a whole-program snippet, int main() or int main(int, char**).
+template <class Main>
+int call_main(Main main) {
+  if constexpr (std::is_invocable_v<Main>) {
+    return main();
+  } else {
+    char name[] = "snippet";
+    char* argv[] = {name, nullptr};
+    return main(1, argv);
+  }
+}
 
 inline void expect_zero(int status) {
   if (status != 0)

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <exception>
 #include <initializer_list>
+#include <type_traits>
 
 namespace attn_docs {
 struct Snippet {
@@ -11,6 +12,18 @@ struct Snippet {
   bool run;
   void (*function)();
 };
+// The main of a whole-program snippet, int main() or int main(int, char**).
+template <class Main>
+int call_main(Main main) {
+  if constexpr (std::is_invocable_v<Main>) {
+    return main();
+  } else {
+    char name[] = "snippet";
+    char* argv[] = {name, nullptr};
+    return main(1, argv);
+  }
+}
+
 inline void expect_zero(int status) {
   if (status != 0)
     throw std::exception();
