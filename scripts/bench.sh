@@ -36,3 +36,5 @@ for family in gemm softmax; do  # the ceilings and the softmax family, JSON only
 done
 /usr/bin/python3 bench/compare.py --bench-dir build/dev/bench --results results "$@"
 echo "== attn: results in $repo_root/results/ (benchmarks.md, attention_gflops.svg, *.json) =="
+echo "== attn: give results/runs.json this machine's CPU and build for the files written, then"
+echo "   run scripts/perf_tables.py to regenerate the docs' tables from them =="

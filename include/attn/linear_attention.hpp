@@ -25,8 +25,13 @@
 // O(L * C * (M + Dv)) for the intra-chunk products (C = chunk rows, default 16); no (Lq, Lk)
 // matrix is ever formed, and the causal form has no per-token loop: each chunk is a handful
 // of GEMMs against the running state.
-// Extra memory per thread: the state (M, Dv) + (M), and chunk workspaces of C * (2 M + C + 1)
-// scalars: 6480 scalars (25 KiB for float) at D = Dv = M = 64, C = 16, whatever L is.
+// Extra memory per thread (the one statement of it; docs/linear-attention.md links here), the
+// forward: the state (M, Dv) + (M), and chunk buffers of C * (2 M + 1) scalars, plus C^2
+// causal: 6480 scalars (25 KiB for float) at D = Dv = M = 64, C = 16, causal, whatever L is.
+// The backward: the states S, z, R, r, 2 (M * Dv + M); chunk buffers C * (4 M + 2 Dv + 1),
+// plus C * (Dv + 1) non-causal or 2 C^2 causal; and, causal only, u and c of every query row
+// of a (batch, kv head) item, group * Lq * (Dv + 1), group = Hq / Hkv: 1 MiB of float at
+// Lq = 4096, Dv = 64, group 1. The recurrent state: linear/state.hpp.
 //
 // Not supported (rejected with std::invalid_argument, never ignored): keep_mask and bias,
 // which act on individual (query, key) scores that linear attention never forms.

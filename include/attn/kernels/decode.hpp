@@ -32,10 +32,14 @@
 // row's visible interval are skipped without arithmetic. A row that sees no key gives zeros and
 // log-sum-exp -inf; NaN propagates.
 //
-// Extra memory: per call, partials of splits * G * Lq * (Dv + 2) scalars for every
-// (b, kv head), splits = ceil(Lk / split_keys); per thread, G * Lq * (D + key_block + 6)
-// scalars, plus key_block * (D + Dv) when S is 16-bit on the generic path; 16-bit q and out
-// are widened whole, (B, Hq, Lq, D + Dv) floats.
+// Extra memory (the one statement of it; docs/kernels.md links here), G = Hq / Hkv,
+// split_keys = decode_split_keys (512), key_block = decode_key_block (64), attn/plan.hpp:
+// per call, partials of splits * G * Lq * (Dv + 2) scalars for every (b, kv head),
+// splits = ceil(Lk / split_keys): 1 MiB of floats at B = 1, Hkv = 8, Hq = 32, Lq = 1,
+// Lk = 32768, Dv = 128; per thread, G * Lq * (D + key_block + 6) scalars (kernels/workspace.hpp:
+// the scaled queries, a block of scores, six row vectors), plus key_block * (D + Dv) when S
+// is 16-bit on the generic path (the vector paths widen in registers); 16-bit q and out are
+// widened whole, (B, Hq, Lq, D + Dv) floats.
 #pragma once
 
 #include <algorithm>

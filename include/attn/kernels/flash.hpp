@@ -11,9 +11,13 @@
 // without any arithmetic (a causal mask does about half the work, a window O(L * window)); tiles it
 // shows entirely skip mask evaluation (only a bias, if any, is added).
 //
-// Extra memory per thread: W * (D + Bk + Dv + 8) scalars with W = Bq rounded up to whole
-// vectors (kernels/workspace.hpp), plus Bk * (D + Dv) when k and v are stored in 16 bits and
-// Bq * (D + Dv) when q and out are; independent of Lq and Lk.
+// Extra memory per thread (the one statement of it; docs/kernels.md links here), with W = Bq
+// rounded up to whole vectors (16 floats for AVX-512, 8 for AVX2) and Bk = min(key tile, Lk):
+// W * (D + Bk + Dv + 6) scalars and 3 * W 32-bit integers (kernels/workspace.hpp: q tile,
+// scores, accumulator, six row vectors; the key bounds and dropout keys of the tile's rows),
+// plus Bk * (D + Dv) scalars when k and v are stored in 16 bits (on every path) and
+// Bq * (D + Dv) when q and out are; independent of Lq and Lk. Float, D = Dv = 64, default
+// tiles: 197 KiB (128 x 256), 98 KiB causal (64 x 256).
 #pragma once
 
 #include <algorithm>

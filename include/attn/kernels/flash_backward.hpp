@@ -18,12 +18,14 @@
 // q and dout tiles, and kt, vt, s, dp): the heads' own row strides are usually a power of two
 // (D = 128: 512 bytes), and the rows one register block reads then share a few L1 sets.
 //
-// Extra memory per thread, with P = 16: (W + P)(D + Dv) + 3 Bq (W + P) + 2 Bq scalars for
-// the tiles (2 Bq (W + P) without softcap, one more with dropout; W = Bk rounded up to whole
-// vectors), W (D + P) + Bq (D + Dv + 2 P) for the copies of the k, q and dout rows, and
-// G * Lq for the rows' deltas, independent of Lk and only G * Lq scalars in Lq: 396 KiB at
-// the default Bq = 64, Bk = 128, D = Dv = 128 (a key tile of 128 halves the passes over q,
-// dout and dq that a tile of 64 makes: at L = 4096 they no longer fit in L2). With
+// Extra memory per thread (the one statement of it; docs/kernels.md links here), with P = 16
+// and W = Bk rounded up to whole vectors (kernels/backward_tiles.hpp): (W + P)(D + Dv) +
+// 2 Bq (W + P) + 2 Bq scalars for the tiles (kt, vt, s, dp, two row vectors), Bq (W + P) more
+// with softcap and again with dropout, W (D + P) + Bq (D + Dv + 2 P) for the copies of the
+// k, q and dout rows, and G * Lq for the rows' deltas, independent of Lk and only G * Lq
+// scalars in Lq: 360 KiB of float tiles and rows at the default Bq = 64, Bk = 128,
+// D = Dv = 128 (396 KiB with softcap; a key tile of 128 halves the passes over q, dout and
+// dq that a tile of 64 makes: at L = 4096 they no longer fit in L2). With
 // 16-bit storage add one widened head of each of q, out and dout (Lq, D + 2 Dv) per query
 // head of the group, of k and v (Lk, D + Dv), and float accumulators for dq (G Lq, D) and
 // dk, dv (Lk, D + Dv).

@@ -11,14 +11,14 @@
 //   m, l       (W)      running max and sum   unused   (in the partial)
 //   alpha, shift, tile_max, sums   (W) or (R) the rescale factor, the exp's shift, the
 //                                   tile's maxima and its sums of probabilities
-//   key_lo, key_hi  (W)  visible keys of each query in a tile (flash)
+//   key_lo, key_hi  (W)  visible keys of each query in a tile (flash), int32
+//   dropout_rows    (W)  the dropout's row keys of the tile's queries (flash), uint32
 //   k, v       (Bk, D), (Bk, Dv)  a key/value tile widened to the compute scalar, when k
 //                                   and v are stored in 16 bits and the products do not
 //                                   widen in registers
 //
-// Extra memory per thread: flash W * (D + Bk + Dv + 8) scalars (+ Bk * (D + Dv) for 16-bit
-// k and v); decode R * (D + Bk + 4) (+ Bk * (D + Dv) on the generic path with 16-bit k and
-// v). Sized once per call, reused for every work item of the thread.
+// Sized once per call, reused for every work item of the thread; what that costs is stated
+// with each kernel (kernels/flash.hpp, kernels/decode.hpp).
 //
 // The buffers are 64-byte aligned whatever the translation unit's flags. Eigen's own heap
 // alignment follows them (16 bytes in a build without -march), and the AVX-512 kernels,

@@ -459,9 +459,7 @@ void check_gradient_aliasing(
 /// bitwise identical for any thread count.
 ///
 /// Cost: about 3x the forward's GEMM FLOPs (dq, dk and dv each need a pass like the
-/// forward's). Extra memory per thread: the states S, z, R, r, 2 (M * Dv + M); chunk buffers
-/// C * (4 M + 2 Dv + 1), plus C * (Dv + 1) non-causal or 2 C^2 causal; and, causal only, u
-/// and c of every query row of the item: group * Lq * (Dv + 1), group = Hq / Hkv.
+/// forward's). Extra memory: attn/linear_attention.hpp.
 template <class T>
 void linear_attention_backward_into(const HeadsView<const T>& q,     // (B, Hq, Lq, D)
                                     const HeadsView<const T>& k,     // (B, Hkv, Lk, D)
