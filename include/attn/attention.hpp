@@ -123,9 +123,11 @@ void check_optional_outputs(const char* function,
 /// TKV and out as TO; the arithmetic runs in T = compute_scalar_t<TQ>. 16-bit operands are
 /// widened as the kernels read them (flash: tile by tile; naive and chunked: once per head).
 /// Padded or packed views (packed_view()): the same kernels, packed sequences with each
-/// sequence's lengths as key_lengths and query_lengths.
+/// sequence's lengths as key_lengths and query_lengths. `function` names the entry point in
+/// every message (scaled_dot_product_attention, KVCache::attend).
 template <class TQ, class TKV, class TO>
-void attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
+void attention_into(const char* function,
+                    const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
                     const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
                     const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
                     const AttentionOutputViews<TO>& outputs,
@@ -137,7 +139,6 @@ void attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
   static_assert(std::is_same_v<T, compute_scalar_t<TKV>> && std::is_same_v<T, compute_scalar_t<TO>>,
                 "scaled_dot_product_attention: q, k, v and out must share one compute scalar "
                 "(float with half or bfloat16; double only with double)");
-  constexpr const char* function = "scaled_dot_product_attention";
   const HeadsView<TO>& out = outputs.out;
   // Packing first: views on other sequences also have other lengths, and that is the cause.
   const PackedRows unpacked_lse{"logsumexp", q.row_offsets, q.batch, q.length};
@@ -196,7 +197,7 @@ AttentionOutputs<SO> attention_outputs(const char* function, const HeadsView<con
     result.weights.resize(q.batch, q.heads, q.length, k.length);
     views.weights = bhld_view(result.weights);
   }
-  attention_into<SQ, SKV, SO>(q, k, v, views, options);
+  attention_into<SQ, SKV, SO>(function, q, k, v, views, options);
   return result;
 }
 
@@ -223,7 +224,7 @@ void scaled_dot_product_attention_into(
     const HeadsView<const T>& v,                                 // (B, Hkv, Lk, Dv)
     const AttentionOutputViews<detail::identity_t<T>>& outputs,  // out (B, Hq, Lq, Dv), ...
     const AttentionOptions<compute_scalar_t<T>>& options = {}) {
-  detail::attention_into<T, T, T>(q, k, v, outputs, options);
+  detail::attention_into<T, T, T>("scaled_dot_product_attention", q, k, v, outputs, options);
 }
 
 /// Mixed storage, e.g. float q and out against a 16-bit KV cache: q as TQ, k and v as TKV,
@@ -235,7 +236,7 @@ void scaled_dot_product_attention_into(const HeadsView<const TQ>& q,   // (B, Hq
                                        const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
                                        const AttentionOutputViews<TO>& outputs,
                                        const AttentionOptions<compute_scalar_t<TQ>>& options = {}) {
-  detail::attention_into<TQ, TKV, TO>(q, k, v, outputs, options);
+  detail::attention_into<TQ, TKV, TO>("scaled_dot_product_attention", q, k, v, outputs, options);
 }
 template <class TQ, class TKV, class TO,
           class = std::enable_if_t<!(std::is_same_v<TQ, TKV> && std::is_same_v<TQ, TO>)>>
@@ -244,7 +245,8 @@ void scaled_dot_product_attention_into(const HeadsView<const TQ>& q,   // (B, Hq
                                        const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
                                        const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
                                        const AttentionOptions<compute_scalar_t<TQ>>& options = {}) {
-  detail::attention_into<TQ, TKV, TO>(q, k, v, AttentionOutputViews<TO>(out), options);
+  detail::attention_into<TQ, TKV, TO>("scaled_dot_product_attention", q, k, v,
+                                      AttentionOutputViews<TO>(out), options);
 }
 
 /// Batched attention on rank-4 row-major tensors or tensor maps (B, H, L, D).

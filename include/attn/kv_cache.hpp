@@ -230,12 +230,14 @@ class KVCache {
     if (q.length == 0)
       return;
     // One call: the mask aligns each sequence's diagonal to its own length (query i of b
-    // sees j <= lengths[b] - Lq + i), so ragged sequences run in parallel together.
+    // sees j <= lengths[b] - Lq + i), so ragged sequences run in parallel together. The
+    // kernels of scaled_dot_product_attention (decode for a few queries, flash for a prompt;
+    // a 16-bit cache widened as it is read), their messages naming KVCache::attend.
     AttentionOptions<C> o = options;
     o.causal = Causal::bottom_right;
     if (std::any_of(lengths_.begin(), lengths_.end(), [&](Index n) { return n != max_length(); }))
       o.key_lengths = lengths_;
-    run(q, keys, values, outputs, o);
+    detail::attention_into<C, S, C>(function, q, keys, values, outputs, o);
   }
 
   /// attend_into() returning out (B, Hq, Lq, Dv); q is a rank-4 tensor (B, Hq, Lq, D).
@@ -248,18 +250,6 @@ class KVCache {
 
  private:
   using C = compute_type;
-
-  /// One attention call on views of equal-length sequences, through the public entry point:
-  /// decode for a few queries, flash for a prompt; a 16-bit cache is widened as it is read.
-  static void run(const HeadsView<const C>& q,  // (B, Hq, Lq, D)
-                  const HeadsView<const S>& k,  // (B, Hkv, Lk, D)
-                  const HeadsView<const S>& v,  // (B, Hkv, Lk, Dv)
-                  const AttentionOutputViews<C>& outputs, const AttentionOptions<C>& options) {
-    if constexpr (std::is_same_v<S, C>)
-      scaled_dot_product_attention_into<C>(q, k, v, outputs, options);
-    else
-      scaled_dot_product_attention_into(q, k, v, outputs, options);
-  }
 
   HeadsView<const S> view(const S* data, Index dim) const {
     return {

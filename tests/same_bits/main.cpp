@@ -14,7 +14,6 @@
 #include <vector>
 
 #include <attn/attn.hpp>
-#include "support/results.hpp"
 
 using attn::Index;
 
@@ -80,11 +79,9 @@ void forward(std::uint32_t seed) {
              {attn::Algorithm::automatic, attn::Algorithm::naive, attn::Algorithm::chunked,
               attn::Algorithm::flash, attn::Algorithm::decode}) {
           o.algorithm = algorithm;
-          attn::Tensor<C, 3> lse;
-          mix(attn_test::out_of(
-              attn::scaled_dot_product_attention(q, k, v, o, attn::Return::logsumexp), nullptr,
-              &lse));
-          mix(lse);
+          const auto r = attn::scaled_dot_product_attention(q, k, v, o, attn::Return::logsumexp);
+          mix(r.out);
+          mix(r.logsumexp);
         }
       }
     }
@@ -102,10 +99,12 @@ void backward(std::uint32_t seed) {
       o.score_mod = {};  // forward only
       for (const auto algorithm : {attn::Algorithm::naive, attn::Algorithm::flash}) {
         o.algorithm = algorithm;
-        attn::Tensor<C, 3> lse;
-        const auto out = attn_test::out_of(
-            attn::scaled_dot_product_attention(q, k, v, o, attn::Return::logsumexp), nullptr, &lse);
-        const auto g = attn::scaled_dot_product_attention_backward(q, k, v, out, lse, dout, o);
+        const auto result = attn::scaled_dot_product_attention(q, k, v, o, attn::Return::logsumexp);
+        const auto& out = result.out;
+        const auto& lse = result.logsumexp;
+        const auto g = attn::scaled_dot_product_attention_backward(
+            q, k, v, out, lse, dout, o,
+            o.sinks.empty() ? attn::Return::nothing_else : attn::Return::dsinks);
         mix(g.dq);
         mix(g.dk);
         mix(g.dv);
