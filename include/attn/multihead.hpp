@@ -203,7 +203,7 @@ class MultiHeadAttention {
       put(name, {t.rows(), t.cols()}, t.data());
     };
     if (is_same_embed_dim()) {
-      put_torch("in_proj_weight", in_proj_.fused_linear().weight());
+      put_torch("in_proj_weight", in_proj_.fused_weight());
     } else {
       put_torch("q_proj_weight", in_proj_.wq());
       put_torch("k_proj_weight", in_proj_.wk());
@@ -328,9 +328,7 @@ class MultiHeadAttention {
     // pass 1: q | k | v of the new tokens, one GEMM into (B, Lnew, E + 2*Ekv).
     const Index width = e + 2 * ekv;
     Matrix<T> qkv(batch * length, width);
-    const Linear<T>& in = in_proj_.fused_linear();
-    project_rows(x_new, in.weight(), in.has_bias() ? in.bias().data() : nullptr, qkv.data(), length,
-                 width);
+    project_rows(x_new, in_proj_.fused_weight(), in_proj_.bq(), qkv.data(), length, width);
     const HeadsView<const T> new_keys =
         strided(column(qkv.data(), e), batch, length, kv_heads, d, length, width);
     const HeadsView<const T> new_values =
@@ -406,13 +404,9 @@ class MultiHeadAttention {
     }
     const Index width = e + 2 * ekv;
     Matrix<T> qkv(tokens, width);  // (T, E + 2*Ekv): q | k | v of every token
-    const Linear<T>& in = in_proj_.fused_linear();
-    detail::linear_into<T>(
-        ConstRowsMap<T>(x.data(), tokens, e, Eigen::OuterStride<>(e)),
-        ConstRowsMap<T>(in.weight().data(), in.weight().rows(), in.weight().cols(),
-                        Eigen::OuterStride<>(in.weight().outerStride())),
-        in.has_bias() ? in.bias().data() : nullptr,
-        RowsMap<T>(qkv.data(), tokens, width, Eigen::OuterStride<>(width)));
+    detail::linear_into<T>(ConstRowsMap<T>(x.data(), tokens, e, Eigen::OuterStride<>(e)),
+                           in_proj_.fused_weight(), in_proj_.bq(),
+                           RowsMap<T>(qkv.data(), tokens, width, Eigen::OuterStride<>(width)));
     Matrix<T> merged(tokens, e);                       // (T, H, D) = (T, E)
     const auto packed = [&](const T* data, Index h) {  // h heads of every token
       return detail::unchecked_packed_view(HeadsView<const T>{data, 1, h, tokens, d, 0, d, width},
@@ -577,10 +571,8 @@ class MultiHeadAttention {
       // One buffer (B, L + extra, E + 2*Ekv): q | k | v column blocks.
       const Index width = e + 2 * ekv, rows_per_batch = q_length + extra;
       workspace.qkv.resize(batch * rows_per_batch, width);
-      project_rows(
-          query, in_proj_.fused_linear().weight(),
-          in_proj_.fused_linear().has_bias() ? in_proj_.fused_linear().bias().data() : nullptr,
-          workspace.qkv.data(), rows_per_batch, width);
+      project_rows(query, in_proj_.fused_weight(), in_proj_.bq(), workspace.qkv.data(),
+                   rows_per_batch, width);
       fill_extra_rows(column(workspace.qkv.data(), e), batch, k_length, rows_per_batch, width);
       qv = strided(workspace.qkv.data(), batch, q_length, heads, d, rows_per_batch, width);
       kv = strided(column(workspace.qkv.data(), e), batch, kv_length, kv_heads, d, rows_per_batch,
@@ -595,7 +587,7 @@ class MultiHeadAttention {
       if (key.data() == value.data() && key.dimensions() == value.dimensions() &&
           in_proj_.is_fused()) {
         // k and v from one input: one GEMM with the adjacent [Wk | Wv] column blocks.
-        const Matrix<T>& w = in_proj_.fused_linear().weight();
+        const ConstRowsMap<T> w = in_proj_.fused_weight();
         const ConstRowsMap<T> wkv(w.data() + e, w.rows(), width, Eigen::OuterStride<>(w.cols()));
         project_rows(key, wkv, in_proj_.bk(), workspace.kv.data(), kv_length, width);
       } else {
