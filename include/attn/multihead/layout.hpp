@@ -56,6 +56,16 @@ struct ProjectionLayout {
     return self ? kv_buffer : own;
   }
 
+  /// The first entries of the k and v blocks in the k | v buffer (the q | k | v one).
+  template <class U>
+  U* k_block(U* kv_buffer) const {
+    return column(kv_buffer, k_column);
+  }
+  template <class U>
+  U* v_block(U* kv_buffer) const {
+    return column(kv_buffer, v_column());
+  }
+
   /// (B, H, L, D) and (B, Hkv, S', D) head views of the blocks.
   template <class U>
   HeadsView<U> q_view(U* q_buffer) const {
@@ -63,13 +73,11 @@ struct ProjectionLayout {
   }
   template <class U>
   HeadsView<U> k_view(U* kv_buffer) const {
-    return strided(column(kv_buffer, k_column), kv_length(), kv_heads, kv_rows_per_batch,
-                   kv_stride);
+    return strided(k_block(kv_buffer), kv_length(), kv_heads, kv_rows_per_batch, kv_stride);
   }
   template <class U>
   HeadsView<U> v_view(U* kv_buffer) const {
-    return strided(column(kv_buffer, v_column()), kv_length(), kv_heads, kv_rows_per_batch,
-                   kv_stride);
+    return strided(v_block(kv_buffer), kv_length(), kv_heads, kv_rows_per_batch, kv_stride);
   }
 
   /// The k entries of appended row i (0 <= i < extra) of sequence b; its v entries follow at
@@ -79,6 +87,7 @@ struct ProjectionLayout {
     return kv_buffer + (b * kv_rows_per_batch + k_length + i) * kv_stride + k_column;
   }
 
+ private:
   /// The column block at `offset` of a buffer; an empty buffer's null data stays null
   /// (no arithmetic on a null pointer, e.g. for L = 0).
   template <class U>
@@ -86,7 +95,6 @@ struct ProjectionLayout {
     return data == nullptr ? data : data + offset;
   }
 
- private:
   template <class U>
   HeadsView<U> strided(U* data, Index length, Index h, Index rows_per_batch, Index stride) const {
     return {data, batch, h, length, dim, rows_per_batch * stride, dim, stride};

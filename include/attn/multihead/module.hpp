@@ -321,11 +321,9 @@ class MultiHeadAttention {
         const ConstRowsMap<T> wkv(w.data() + e, w.rows(), 2 * ekv, Eigen::OuterStride<>(w.cols()));
         project_rows(key, wkv, in_proj_.bk(), kv, layout.kv_rows_per_batch, layout.kv_stride);
       } else {
-        project_rows(key, in_proj_.wk(), in_proj_.bk(),
-                     detail::ProjectionLayout::column(kv, layout.k_column),
+        project_rows(key, in_proj_.wk(), in_proj_.bk(), layout.k_block(kv),
                      layout.kv_rows_per_batch, layout.kv_stride);
-        project_rows(value, in_proj_.wv(), in_proj_.bv(),
-                     detail::ProjectionLayout::column(kv, layout.v_column()),
+        project_rows(value, in_proj_.wv(), in_proj_.bv(), layout.v_block(kv),
                      layout.kv_rows_per_batch, layout.kv_stride);
       }
     }

@@ -162,11 +162,10 @@ void MultiHeadAttention<T>::in_projection_backward(
     const T* dkv_data = d_qkv.data();
     const ConstRowsMap<T> dq_r =
         d_rows(dq_data, layout.q_rows_per_batch, layout.q_stride, q_rows, e);
-    const ConstRowsMap<T> dk_r = d_rows(detail::ProjectionLayout::column(dkv_data, layout.k_column),
-                                        layout.kv_rows_per_batch, layout.kv_stride, k_rows, ekv);
+    const ConstRowsMap<T> dk_r =
+        d_rows(layout.k_block(dkv_data), layout.kv_rows_per_batch, layout.kv_stride, k_rows, ekv);
     const ConstRowsMap<T> dv_r =
-        d_rows(detail::ProjectionLayout::column(dkv_data, layout.v_column()),
-               layout.kv_rows_per_batch, layout.kv_stride, k_rows, ekv);
+        d_rows(layout.v_block(dkv_data), layout.kv_rows_per_batch, layout.kv_stride, k_rows, ekv);
     const bool accumulate = part > 0;
     RowsMap<T> dx_q = grad_rows(grads.d_query, q_length, q_rows);
     if (self) {
