@@ -78,7 +78,7 @@ void compose(const attn::MultiHeadAttention<T>& mha, const attn::Tensor<T, 3>& x
              attn::Matrix<T>& qkv, attn::Matrix<T>& attn_out, attn::Matrix<T>& y, const Shape& s) {
   const Index n = s.batch * s.seq, e = s.embed, d = s.head_dim();
   const attn::ConstRowsMap<T> xr(x.data(), n, e, Eigen::OuterStride<>(e));
-  qkv.noalias() = xr * mha.in_proj().fused_linear().weight();  // biases are zero
+  qkv.noalias() = xr * mha.in_proj().fused_weight();  // biases are zero
   const auto view = [&](Index offset) {
     return attn::HeadsView<const T>{qkv.data() + offset, s.batch, s.heads, s.seq, d,
                                     s.seq * 3 * e,       d,       3 * e};

@@ -239,8 +239,7 @@ void fused_and_separate_qkv_projections_agree() {
 
   // Round trip separate -> fused gives the same weights, and each block is x * W.
   const attn::QKVProjection<T> refused = separate.fused_form();
-  REQUIRE(attn::Matrix<T>(refused.fused_linear().weight()) ==
-          attn::Matrix<T>(fused.fused_linear().weight()));
+  REQUIRE(attn::Matrix<T>(refused.fused_weight()) == attn::Matrix<T>(fused.fused_weight()));
   const attn::Matrix<T> xr = attn::ConstRowsMap<T>(x.data(), B * S, E, Eigen::OuterStride<>(E));
   CHECK(max_error(attn::Matrix<T>(a.k()), attn::Matrix<T>(xr * attn::Matrix<T>(fused.wk()))) <=
         1e-6);

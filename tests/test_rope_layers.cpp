@@ -370,8 +370,8 @@ void rotary_incremental_decoding_equals_the_causal_forward() {
   }
   REQUIRE(cache.lengths() == std::vector<Index>{length, length});
   // The cache holds the keys rotated once: the projection of x rotated at its position.
-  const attn::Matrix<T>& w = mha.in_proj().fused_linear().weight();  // (E, E + 2*Ekv)
-  const attn::Vector<T>& bias = mha.in_proj().fused_linear().bias();
+  const attn::ConstRowsMap<T> w = mha.in_proj().fused_weight();  // (E, E + 2*Ekv)
+  const attn::Vector<T>& bias = mha.in_proj().bias();
   for (Index b = 0; b < batch; ++b)
     for (Index h = 0; h < 2; ++h)
       for (Index j = 0; j < length; ++j) {

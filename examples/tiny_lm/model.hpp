@@ -131,9 +131,8 @@ class Model {
   Index parameters() const {
     Index n = embed_.size() + lm_head_.size() + norm_.size();
     for (const Layer& l : layers_) {
-      n += l.attention.in_proj().fused_linear().weight().size() +
-           l.attention.out_proj().weight().size() + l.attn_norm.size() + l.mlp_norm.size() +
-           l.gate.size() + l.up.size() + l.down.size();
+      n += l.attention.in_proj().fused_weight().size() + l.attention.out_proj().weight().size() +
+           l.attn_norm.size() + l.mlp_norm.size() + l.gate.size() + l.up.size() + l.down.size();
     }
     return n;
   }

@@ -63,7 +63,7 @@ class MaskArg {
 };
 
 /// Everything about a forward call except the three inputs. See the MASK POLARITY note at
-/// the top of this file: the bool masks here are true = IGNORE / NOT ALLOWED.
+/// the top of attn/multihead.hpp: the bool masks here are true = IGNORE / NOT ALLOWED.
 template <class T>
 struct MultiHeadForwardOptions {
   MaskArg<bool> key_padding_mask;  ///< (B, S); TRUE = IGNORE the key (PyTorch MHA polarity)
