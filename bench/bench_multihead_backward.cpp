@@ -5,7 +5,7 @@
 // causal (the second argument: 0, 1).
 //   mha_forward        forward_into with a reused workspace (inference)
 //   mha_forward_train  forward_train (the forward plus the copies the context keeps)
-//   mha_backward       backward(context, d_output) of one forward_train made outside the loop
+//   mha_backward       backward(context, doutput) of one forward_train made outside the loop
 // The figure that matters is mha_backward's time over mha_forward's (docs/training.md).
 //
 // ATTN_BENCH_SMOKE=1 (set by ctest) shrinks the problem to B = 1, S = 16, E = 32, H = 4.
@@ -98,7 +98,7 @@ void mha_backward(benchmark::State& state) {
   const auto train = mha.forward_train(x, options(state));
   for (auto _ : state) {
     auto g = mha.backward(train.context, dy);
-    benchmark::DoNotOptimize(g.d_query.data());
+    benchmark::DoNotOptimize(g.dquery.data());
   }
   label(state, s);
 }

@@ -552,11 +552,11 @@ TEMPLATE_TEST_CASE("Linear::backward matches torch autograd", "[gradients][isa]"
                                       bias ? vector_of<T>(c.at("bias")) : attn::Vector<T>());
       const auto g = layer.backward(x, dy);
       require_close(g.dx, c.at("dx"), rtol);
-      require_close(g.weight, c.at("weight_grad"), rtol);  // (out, in) like torch's
+      require_close(g.dweight, c.at("weight_grad"), rtol);  // (out, in) like torch's
       if (bias)
-        require_close(g.bias, c.at("bias_grad"), rtol);
+        require_close(g.dbias, c.at("bias_grad"), rtol);
       else
-        REQUIRE(g.bias.size() == 0);
+        REQUIRE(g.dbias.size() == 0);
 
       // (B, S, in) tensors: the same rows.
       attn::Tensor<T, 3> xt(1, x.rows(), x.cols()), dyt(1, dy.rows(), dy.cols());
@@ -565,7 +565,7 @@ TEMPLATE_TEST_CASE("Linear::backward matches torch autograd", "[gradients][isa]"
       const auto gt = layer.backward(xt, dyt);
       REQUIRE(gt.dx.dimension(0) == 1);
       require_close(gt.dx, c.at("dx"), rtol);
-      require_close(gt.weight, c.at("weight_grad"), rtol);
+      require_close(gt.dweight, c.at("weight_grad"), rtol);
 
       // backward_into: no dx, then accumulated as torch's .grad over two calls.
       attn::Matrix<T> wg;
@@ -608,18 +608,18 @@ template <class T>
 void require_parameter_gradients(const attn::QKVProjectionGradients<T>& g, const json& c,
                                  double rtol) {
   if (c.at("fused").get<bool>()) {
-    require_close(g.in_proj_weight, c.at("in_proj_weight_grad"), rtol);
-    REQUIRE(g.q_proj_weight.size() == 0);
+    require_close(g.din_proj_weight, c.at("in_proj_weight_grad"), rtol);
+    REQUIRE(g.dq_proj_weight.size() == 0);
   } else {
-    require_close(g.q_proj_weight, c.at("q_proj_weight_grad"), rtol);
-    require_close(g.k_proj_weight, c.at("k_proj_weight_grad"), rtol);
-    require_close(g.v_proj_weight, c.at("v_proj_weight_grad"), rtol);
-    REQUIRE(g.in_proj_weight.size() == 0);
+    require_close(g.dq_proj_weight, c.at("q_proj_weight_grad"), rtol);
+    require_close(g.dk_proj_weight, c.at("k_proj_weight_grad"), rtol);
+    require_close(g.dv_proj_weight, c.at("v_proj_weight_grad"), rtol);
+    REQUIRE(g.din_proj_weight.size() == 0);
   }
   if (c.at("in_proj_bias").is_null())
-    REQUIRE(g.in_proj_bias.size() == 0);
+    REQUIRE(g.din_proj_bias.size() == 0);
   else
-    require_close(g.in_proj_bias, c.at("in_proj_bias_grad"), rtol);
+    require_close(g.din_proj_bias, c.at("in_proj_bias_grad"), rtol);
 }
 
 }  // namespace
@@ -671,7 +671,7 @@ TEMPLATE_TEST_CASE("QKVProjection::backward matches torch autograd", "[gradients
         p.backward_into(x_rows, x_rows, x_rows, block(0, dq_w), block(dq_w, dk_w),
                         block(dq_w + dk_w, dv_w), nullptr, nullptr, nullptr, g2, true);
         const attn::Matrix<T> twice =
-            c.at("fused").get<bool>() ? g2.in_proj_weight : g2.q_proj_weight;
+            c.at("fused").get<bool>() ? g2.din_proj_weight : g2.dq_proj_weight;
         require_close(
             attn::Matrix<T>(twice / T(2)),
             c.at(c.at("fused").get<bool>() ? "in_proj_weight_grad" : "q_proj_weight_grad"), rtol);
@@ -710,21 +710,21 @@ TEST_CASE("QKVProjection gradients carry MultiHeadAttention's state_dict names a
       return std::vector<Index>{m.rows(), m.cols()};
     };
     if (same_embed) {
-      REQUIRE(matrix_shape(g.in_proj_weight) == shape("in_proj_weight"));
+      REQUIRE(matrix_shape(g.din_proj_weight) == shape("in_proj_weight"));
       REQUIRE(state.count("q_proj_weight") == 0);
     } else {
-      REQUIRE(matrix_shape(g.q_proj_weight) == shape("q_proj_weight"));
-      REQUIRE(matrix_shape(g.k_proj_weight) == shape("k_proj_weight"));
-      REQUIRE(matrix_shape(g.v_proj_weight) == shape("v_proj_weight"));
+      REQUIRE(matrix_shape(g.dq_proj_weight) == shape("q_proj_weight"));
+      REQUIRE(matrix_shape(g.dk_proj_weight) == shape("k_proj_weight"));
+      REQUIRE(matrix_shape(g.dv_proj_weight) == shape("v_proj_weight"));
       REQUIRE(state.count("in_proj_weight") == 0);
     }
-    REQUIRE(std::vector<Index>{g.in_proj_bias.size()} == shape("in_proj_bias"));
+    REQUIRE(std::vector<Index>{g.din_proj_bias.size()} == shape("in_proj_bias"));
     // out_proj is a Linear: its weight gradient has out_proj.weight's shape.
     attn::Matrix<double> a = attn::Matrix<double>::Random(6, 8),
                          d = attn::Matrix<double>::Random(6, 8);
     const auto go = mha.out_proj().backward(a, d);
-    REQUIRE(matrix_shape(go.weight) == shape("out_proj.weight"));
-    REQUIRE(std::vector<Index>{go.bias.size()} == shape("out_proj.bias"));
+    REQUIRE(matrix_shape(go.dweight) == shape("out_proj.weight"));
+    REQUIRE(std::vector<Index>{go.dbias.size()} == shape("out_proj.bias"));
   }
 }
 
@@ -743,8 +743,8 @@ TEST_CASE("Linear::backward in 16-bit storage computes in float, rounds once", "
   const Eigen::VectorXd db = dyd.colwise().sum().transpose();
   // One rounding to half: relative 2^-11 of the value (plus float's accumulation).
   CHECK(((g.dx.cast<double>() - dx).array().abs() <= 1e-3 * (dx.array().abs() + 1e-2)).all());
-  CHECK(((g.weight.cast<double>() - dw).array().abs() <= 1e-3 * (dw.array().abs() + 1e-2)).all());
-  CHECK(((g.bias.cast<double>() - db).array().abs() <= 1e-3 * (db.array().abs() + 1e-2)).all());
+  CHECK(((g.dweight.cast<double>() - dw).array().abs() <= 1e-3 * (dw.array().abs() + 1e-2)).all());
+  CHECK(((g.dbias.cast<double>() - db).array().abs() <= 1e-3 * (db.array().abs() + 1e-2)).all());
 }
 
 TEST_CASE("the layer backwards validate their inputs", "[gradients][errors]") {
@@ -825,7 +825,7 @@ TEST_CASE("the layer backwards validate their inputs", "[gradients][errors]") {
   REQUIRE_THROWS_WITH(p.backward_into(map(rows6), map(rows6), map(rows6), map(rows4), map(rows2),
                                       map(rows2), nullptr, &dx_bad, nullptr, grads),
                       "QKVProjection::backward: dx_k is [10, 5] but its input is [10, 6]");
-  grads.in_proj_weight.resize(2, 2);
+  grads.din_proj_weight.resize(2, 2);
   REQUIRE_THROWS_WITH(p.backward_into(map(rows6), map(rows6), map(rows6), map(rows4), map(rows2),
                                       map(rows2), nullptr, nullptr, nullptr, grads, true),
                       "QKVProjection::backward: in_proj_bias is [0, 1] but accumulating into it "

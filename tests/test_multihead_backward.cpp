@@ -39,7 +39,7 @@ struct BackwardCase {
   std::string name;
   attn::MultiHeadAttentionConfig config;
   bool self = false;
-  attn::Tensor<T, 3> query, key, value, d_output;
+  attn::Tensor<T, 3> query, key, value, doutput;
   attn::Tensor<bool, 2> kpm, mask2;
   attn::Tensor<bool, 3> mask3;
   attn::Tensor<T, 2> fmask2;
@@ -72,7 +72,7 @@ struct BackwardCase {
       key = attn_test::tensor<T, 3>(j.at("key"));
       value = attn_test::tensor<T, 3>(j.at("value"));
     }
-    d_output = attn_test::tensor<T, 3>(j.at("d_output"));
+    doutput = attn_test::tensor<T, 3>(j.at("d_output"));
     if (!j.at("key_padding_mask").is_null()) {
       kpm = attn_test::tensor<bool, 2>(j.at("key_padding_mask"));
       options.key_padding_mask = kpm;
@@ -122,15 +122,15 @@ TEMPLATE_TEST_CASE("MultiHeadAttention::backward matches torch autograd", "[mult
     tc.mask2.setConstant(true);
     tc.mask3.setConstant(true);
     tc.fmask2.setConstant(T(-1000));
-    const attn::MultiHeadAttentionGradients<T> g = mha.backward(train.context, tc.d_output);
+    const attn::MultiHeadAttentionGradients<T> g = mha.backward(train.context, tc.doutput);
     const json& want = j.at("grads");
-    CHECK(relative_error(g.d_query.data(), attn_test::values_of(want.at("query"))) <= tol);
+    CHECK(relative_error(g.dquery.data(), attn_test::values_of(want.at("query"))) <= tol);
     if (tc.self) {
-      CHECK(g.d_key.size() == 0);
-      CHECK(g.d_value.size() == 0);
+      CHECK(g.dkey.size() == 0);
+      CHECK(g.dvalue.size() == 0);
     } else {
-      CHECK(relative_error(g.d_key.data(), attn_test::values_of(want.at("key"))) <= tol);
-      CHECK(relative_error(g.d_value.data(), attn_test::values_of(want.at("value"))) <= tol);
+      CHECK(relative_error(g.dkey.data(), attn_test::values_of(want.at("key"))) <= tol);
+      CHECK(relative_error(g.dvalue.data(), attn_test::values_of(want.at("value"))) <= tol);
     }
     // Exactly state_dict()'s names and shapes, each equal to torch's .grad.
     const attn::StateDict<T> names = mha.state_dict();
@@ -191,7 +191,7 @@ TEST_CASE("MultiHeadAttention::backward with dropout agrees with finite differen
     xp.data()[i] += h;
     xm.data()[i] -= h;
     const double fd = (loss(mha, xp) - loss(mha, xm)) / (2 * h);
-    CHECK(std::abs(fd - g.d_query.data()[i]) <= 1e-7 * (1 + std::abs(fd)));
+    CHECK(std::abs(fd - g.dquery.data()[i]) <= 1e-7 * (1 + std::abs(fd)));
   }
   for (const auto& [n, t] : state) {
     INFO("parameter " << n);
@@ -301,7 +301,7 @@ TEST_CASE("MultiHeadAttention::forward_train and backward validate their inputs"
                       "module's forward_train");
   attn::Tensor<float, 3> dy(2, 4, 8);
   REQUIRE_THROWS_WITH(mha.backward(train.context, dy),
-                      "MultiHeadAttention::backward: d_output is [2, 4, 8] but the forward's "
+                      "MultiHeadAttention::backward: doutput is [2, 4, 8] but the forward's "
                       "output is [2, 3, 8] (B, L, E)");
 }
 
@@ -326,10 +326,10 @@ TEST_CASE("MultiHeadAttention::backward: key and value as one tensor, and a reus
   const attn::MultiHeadAttentionGradients<double> g1 = mha.backward(one.context, dy);
   const attn::MultiHeadAttentionGradients<double> g2 = mha.backward(two.context, dy);
   const attn::MultiHeadAttentionGradients<double> again = mha.backward(one.context, dy);
-  for (Index i = 0; i < g1.d_key.size(); ++i) {
-    CHECK(g1.d_key.data()[i] == Approx(g2.d_key.data()[i]).margin(1e-13));
-    CHECK(g1.d_value.data()[i] == Approx(g2.d_value.data()[i]).margin(1e-13));
-    CHECK(again.d_key.data()[i] == g1.d_key.data()[i]);  // the context is left unchanged
+  for (Index i = 0; i < g1.dkey.size(); ++i) {
+    CHECK(g1.dkey.data()[i] == Approx(g2.dkey.data()[i]).margin(1e-13));
+    CHECK(g1.dvalue.data()[i] == Approx(g2.dvalue.data()[i]).margin(1e-13));
+    CHECK(again.dkey.data()[i] == g1.dkey.data()[i]);  // the context is left unchanged
   }
   for (const auto& [name, t] : g1.parameters) {
     for (std::size_t i = 0; i < t.data.size(); ++i) {
@@ -366,7 +366,7 @@ TEST_CASE("MultiHeadAttention::backward_into accumulates like torch's .grad",
     std::copy(dy.data() + b * 32, dy.data() + (b + 1) * 32, dyb.data());
     mha.backward_into(mha.forward_train(xb, options).context, dyb, parts, b > 0);
     for (Index i = 0; i < 32; ++i)
-      CHECK(parts.d_query.data()[i] == Approx(whole.d_query.data()[b * 32 + i]).margin(1e-13));
+      CHECK(parts.dquery.data()[i] == Approx(whole.dquery.data()[b * 32 + i]).margin(1e-13));
   }
   REQUIRE(parts.parameters.size() == whole.parameters.size());
   for (const auto& [name, t] : whole.parameters) {

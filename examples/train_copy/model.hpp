@@ -204,7 +204,7 @@ class Model {
       const attn::MultiHeadAttention<T>& layer = layers_[static_cast<std::size_t>(i)];
       attn::MultiHeadAttentionGradients<T> lg =
           layer.backward(contexts[static_cast<std::size_t>(i)], dx);
-      dx += lg.d_query;  // the residual path plus the attention's
+      dx += lg.dquery;  // the residual path plus the attention's
       for (auto& [name, t] : lg.parameters)
         g[layer_prefix(i) + name] = std::move(t);
     }

@@ -42,7 +42,7 @@
 //
 // Training: forward_train returns the output and a MultiHeadAttentionContext (the inputs,
 // the projections, the attention output before out_proj, its log-sum-exp, the masks);
-// backward(context, d_output) returns the input gradients and every parameter's gradient
+// backward(context, doutput) returns the input gradients and every parameter's gradient
 // keyed as state_dict() (docs/training.md#multi-head-attention).
 //
 // The class in parts, one concern a header (this header includes them all; include it):

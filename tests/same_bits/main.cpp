@@ -165,7 +165,7 @@ void layers(std::uint32_t seed) {
   mix(mha.forward(xs).output);
   const auto trained = mha.forward_train(xs);
   const auto grads = mha.backward(trained.context, xs);
-  mix(grads.d_query);
+  mix(grads.dquery);
   for (const auto& [name, p] : grads.parameters)
     mix(p.data.data(), static_cast<Index>(p.data.size()));
   attn::KVCache<T> cache(2, 2, 8, 8, 4);

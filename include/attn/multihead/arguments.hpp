@@ -146,9 +146,9 @@ using StateDict = std::map<std::string, StateTensor<T>>;
 /// The gradients MultiHeadAttention::backward returns.
 template <class T>
 struct MultiHeadAttentionGradients {
-  Tensor<T, 3> d_query;  ///< (B, L, E); self-attention: the sum of the q, k and v paths
-  Tensor<T, 3> d_key;    ///< (B, S, kdim); empty for self-attention
-  Tensor<T, 3> d_value;  ///< (B, S, vdim); empty for self-attention
+  Tensor<T, 3> dquery;  ///< (B, L, E); self-attention: the sum of the q, k and v paths
+  Tensor<T, 3> dkey;    ///< (B, S, kdim); empty for self-attention
+  Tensor<T, 3> dvalue;  ///< (B, S, vdim); empty for self-attention
   /// The parameters' gradients keyed and shaped exactly as state_dict() (torch's .grad of
   /// each parameter): in_proj_weight or q/k/v_proj_weight, in_proj_bias, bias_k, bias_v,
   /// out_proj.weight, out_proj.bias, as the module has them.

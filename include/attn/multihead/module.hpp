@@ -174,20 +174,20 @@ class MultiHeadAttention {
       const Tensor<T, 3>& value,  // (B, S, vdim)
       const MultiHeadForwardOptions<T>& options = {}) const;
 
-  /// The backward of forward_train: from its context and d_output = dL/d output (B, L, E),
-  /// the gradients of the inputs (d_query, and d_key, d_value unless self-attention) and of
+  /// The backward of forward_train: from its context and doutput = dL/d output (B, L, E),
+  /// the gradients of the inputs (dquery, and dkey, dvalue unless self-attention) and of
   /// every parameter, keyed as state_dict() (torch's .grad). Differentiates every forward
   /// option: masks, is_causal, add_bias_kv (bias_k, bias_v get gradients), add_zero_attn,
   /// grouped-query heads, rotary (the gradients rotated back), dropout (the same mask).
   MultiHeadAttentionGradients<T> backward(const MultiHeadAttentionContext<T>& context,
-                                          const Tensor<T, 3>& d_output) const;  // (B, L, E)
+                                          const Tensor<T, 3>& doutput) const;  // (B, L, E)
 
   /// backward() into `grads`. accumulate = false overwrites it; true adds the parameter
   /// gradients to those already in grads.parameters (torch's .grad over several backward
   /// calls: micro-batches, a module applied twice), which must then have state_dict()'s
   /// names and shapes. The input gradients are always overwritten (they belong to this call).
   void backward_into(const MultiHeadAttentionContext<T>& context,
-                     const Tensor<T, 3>& d_output,  // (B, L, E)
+                     const Tensor<T, 3>& doutput,  // (B, L, E)
                      MultiHeadAttentionGradients<T>& grads, bool accumulate = false) const;
 
  private:
@@ -474,7 +474,7 @@ class MultiHeadAttention {
   /// causal flag and dropout.
   static AttentionOptions<C> backward_attention_options(
       const MultiHeadAttentionContext<T>& context);
-  /// in_proj's backward: grads.d_query (and d_key, d_value) and in_grads from the attention's
+  /// in_proj's backward: grads.dquery (and dkey, dvalue) and in_grads from the attention's
   /// gradients d_qkv (and d_q) in `layout`.
   void in_projection_backward(const MultiHeadAttentionContext<T>& context,
                               const detail::ProjectionLayout& layout,
@@ -483,7 +483,7 @@ class MultiHeadAttention {
                               MultiHeadAttentionGradients<T>& grads,
                               QKVProjectionGradients<T>& in_grads) const;
   void backward_impl(const MultiHeadAttentionContext<T>& context,
-                     const Tensor<T, 3>& d_output,  // (B, L, E)
+                     const Tensor<T, 3>& doutput,  // (B, L, E)
                      MultiHeadAttentionGradients<T>& grads) const;
 
   MultiHeadAttentionConfig config_;

@@ -61,21 +61,21 @@ MultiHeadAttentionTrainingOutput<T> MultiHeadAttention<T>::forward_train(
 
 template <class T>
 MultiHeadAttentionGradients<T> MultiHeadAttention<T>::backward(
-    const MultiHeadAttentionContext<T>& context, const Tensor<T, 3>& d_output) const {  // (B, L, E)
+    const MultiHeadAttentionContext<T>& context, const Tensor<T, 3>& doutput) const {  // (B, L, E)
   MultiHeadAttentionGradients<T> grads;
-  backward_impl(context, d_output, grads);
+  backward_impl(context, doutput, grads);
   return grads;
 }
 
 // Accumulating: the names and shapes checked first, the sums rounded once to T.
 template <class T>
 void MultiHeadAttention<T>::backward_into(const MultiHeadAttentionContext<T>& context,
-                                          const Tensor<T, 3>& d_output,  // (B, L, E)
+                                          const Tensor<T, 3>& doutput,  // (B, L, E)
                                           MultiHeadAttentionGradients<T>& grads,
                                           bool accumulate) const {
   constexpr const char* function = "MultiHeadAttention::backward_into";
   if (!accumulate) {
-    backward_impl(context, d_output, grads);
+    backward_impl(context, doutput, grads);
     return;
   }
   const StateDict<T> names = state_dict();
@@ -94,7 +94,7 @@ void MultiHeadAttention<T>::backward_into(const MultiHeadAttentionContext<T>& co
                                    "state_dict() does not have");
   }
   StateDict<T> previous = std::move(grads.parameters);
-  backward_impl(context, d_output, grads);
+  backward_impl(context, doutput, grads);
   for (auto& [name, t] : grads.parameters) {
     const std::vector<T>& old = previous.at(name).data;
     for (std::size_t i = 0; i < t.data.size(); ++i)
@@ -136,10 +136,10 @@ void MultiHeadAttention<T>::in_projection_backward(
   const Tensor<T, 3>& key = self ? query : context.key;
   const Tensor<T, 3>& value = self ? query : context.value;
   const Index e = config_.embed_dim, ekv = kv_width(), tokens = batch * q_length;
-  grads.d_query.resize(batch, q_length, e);
+  grads.dquery.resize(batch, q_length, e);
   if (!self) {
-    grads.d_key.resize(batch, k_length, config_.kdim);
-    grads.d_value.resize(batch, k_length, config_.vdim);
+    grads.dkey.resize(batch, k_length, config_.kdim);
+    grads.dvalue.resize(batch, k_length, config_.vdim);
   }
   const T* dq_data = layout.q_buffer(d_qkv.data(), d_q.data());
   const Index parts = layout.extra == 0 ? 1 : batch;  // row ranges of one call
@@ -167,13 +167,13 @@ void MultiHeadAttention<T>::in_projection_backward(
     const ConstRowsMap<T> dv_r =
         d_rows(layout.v_block(dkv_data), layout.kv_rows_per_batch, layout.kv_stride, k_rows, ekv);
     const bool accumulate = part > 0;
-    RowsMap<T> dx_q = grad_rows(grads.d_query, q_length, q_rows);
+    RowsMap<T> dx_q = grad_rows(grads.dquery, q_length, q_rows);
     if (self) {
       const ConstRowsMap<T> x = rows(query, q_length, q_rows);
       in_proj_.backward_into(x, x, x, dq_r, dk_r, dv_r, &dx_q, &dx_q, &dx_q, in_grads, accumulate);
     } else {
-      RowsMap<T> dx_k = grad_rows(grads.d_key, k_length, k_rows);
-      RowsMap<T> dx_v = grad_rows(grads.d_value, k_length, k_rows);
+      RowsMap<T> dx_k = grad_rows(grads.dkey, k_length, k_rows);
+      RowsMap<T> dx_v = grad_rows(grads.dvalue, k_length, k_rows);
       in_proj_.backward_into(rows(query, q_length, q_rows), rows(key, k_length, k_rows),
                              rows(value, k_length, k_rows), dq_r, dk_r, dv_r, &dx_q, &dx_k, &dx_v,
                              in_grads, accumulate);
@@ -183,7 +183,7 @@ void MultiHeadAttention<T>::in_projection_backward(
 
 template <class T>
 void MultiHeadAttention<T>::backward_impl(const MultiHeadAttentionContext<T>& context,
-                                          const Tensor<T, 3>& d_output,  // (B, L, E)
+                                          const Tensor<T, 3>& doutput,  // (B, L, E)
                                           MultiHeadAttentionGradients<T>& grads) const {
   constexpr const char* function = "MultiHeadAttention::backward";
   if (context.empty()) {
@@ -201,10 +201,10 @@ void MultiHeadAttention<T>::backward_impl(const MultiHeadAttentionContext<T>& co
   const Tensor<T, 3>& key = self ? query : context.key;
   const Index batch = query.dimension(0), q_length = query.dimension(1);
   const Index e = config_.embed_dim, ekv = kv_width(), d = head_dim(), heads = config_.num_heads;
-  if (d_output.dimension(0) != batch || d_output.dimension(1) != q_length ||
-      d_output.dimension(2) != e) {
+  if (doutput.dimension(0) != batch || doutput.dimension(1) != q_length ||
+      doutput.dimension(2) != e) {
     detail::throw_invalid_argument(
-        function, "d_output is " + shape3(d_output) + " but the forward's output is " +
+        function, "doutput is " + shape3(doutput) + " but the forward's output is " +
                       detail::shape_string({batch, q_length, e}) + " (B, L, E)");
   }
   const MultiHeadWorkspace<T>& ws = context.workspace;
@@ -215,7 +215,7 @@ void MultiHeadAttention<T>::backward_impl(const MultiHeadAttentionContext<T>& co
   Vector<T> out_b_grad;
   RowsMap<T> d_attn_rows(d_attn.data(), tokens, e, Eigen::OuterStride<>(e));
   out_proj_.backward_into(ConstRowsMap<T>(ws.attn.data(), tokens, e, Eigen::OuterStride<>(e)),
-                          ConstRowsMap<T>(d_output.data(), tokens, e, Eigen::OuterStride<>(e)),
+                          ConstRowsMap<T>(doutput.data(), tokens, e, Eigen::OuterStride<>(e)),
                           &d_attn_rows, out_w_grad, out_b_grad);
 
   // The attention's gradients, laid out as the forward's projection buffers (the q, k, v
@@ -269,14 +269,14 @@ void MultiHeadAttention<T>::backward_impl(const MultiHeadAttentionContext<T>& co
     put(name, {m.rows(), m.cols()}, m.data());
   };
   if (in_proj_.is_fused()) {
-    put_matrix("in_proj_weight", in_grads.in_proj_weight);
+    put_matrix("in_proj_weight", in_grads.din_proj_weight);
   } else {
-    put_matrix("q_proj_weight", in_grads.q_proj_weight);
-    put_matrix("k_proj_weight", in_grads.k_proj_weight);
-    put_matrix("v_proj_weight", in_grads.v_proj_weight);
+    put_matrix("q_proj_weight", in_grads.dq_proj_weight);
+    put_matrix("k_proj_weight", in_grads.dk_proj_weight);
+    put_matrix("v_proj_weight", in_grads.dv_proj_weight);
   }
   if (config_.bias) {
-    put("in_proj_bias", {e + 2 * ekv}, in_grads.in_proj_bias.data());
+    put("in_proj_bias", {e + 2 * ekv}, in_grads.din_proj_bias.data());
     put("out_proj.bias", {e}, out_b_grad.data());
   }
   put_matrix("out_proj.weight", out_w_grad);

@@ -201,9 +201,9 @@ void prepare_gradient(const char* function, const char* name, M& grad, Index row
 /// (compare one to one with weight.grad and bias.grad).
 template <class T, class Input = Matrix<T>>  // Input: Matrix<T> (N, in) or Tensor<T, 3>
 struct LinearGradients {
-  Input dx;          ///< (N, in) or (B, S, in): the gradient with respect to the input
-  Matrix<T> weight;  ///< (out, in): torch's weight.grad, our W transposed
-  Vector<T> bias;    ///< (out): torch's bias.grad; empty without a bias
+  Input dx;           ///< (N, in) or (B, S, in): the gradient with respect to the input
+  Matrix<T> dweight;  ///< (out, in): torch's weight.grad, our W transposed
+  Vector<T> dbias;    ///< (out): torch's bias.grad; empty without a bias
 };
 
 /// y = x * W + b with W (in x out) and an optional bias (out).
@@ -318,8 +318,8 @@ class Linear {
     LinearGradients<T> grads;
     grads.dx.resize(xr.rows(), xr.cols());
     RowsMap<T> dx(grads.dx.data(), xr.rows(), xr.cols(), Eigen::OuterStride<>(xr.cols()));
-    backward_rows("Linear::backward", as_const_rows(xr), as_const_rows(dyr), &dx, grads.weight,
-                  grads.bias, false);
+    backward_rows("Linear::backward", as_const_rows(xr), as_const_rows(dyr), &dx, grads.dweight,
+                  grads.dbias, false);
     return grads;
   }
 
@@ -340,8 +340,8 @@ class Linear {
     LinearGradients<T, Tensor<T, 3>> grads;
     grads.dx.resize(x.dimension(0), x.dimension(1), x.dimension(2));
     RowsMap<T> dx = detail::rows_of(grads.dx);
-    backward_rows("Linear::backward", detail::rows_of(x), detail::rows_of(dy), &dx, grads.weight,
-                  grads.bias, false);
+    backward_rows("Linear::backward", detail::rows_of(x), detail::rows_of(dy), &dx, grads.dweight,
+                  grads.dbias, false);
     return grads;
   }
 

@@ -96,17 +96,17 @@ class QKV {
 /// compares one to one with torch's .grad of the same name.
 template <class T>
 struct QKVProjectionGradients {
-  Tensor<T, 3> dx;           ///< self-attention backward(x, ...): (B, S, E), the q, k and v paths
-                             ///< summed; empty after the cross-attention backward
-  Tensor<T, 3> dx_q;         ///< cross-attention: (B, Lq, Eq); empty after the self-attention one
-  Tensor<T, 3> dx_k;         ///< cross-attention: (B, Lk, Ek)
-  Tensor<T, 3> dx_v;         ///< cross-attention: (B, Lk, Ev)
-  Matrix<T> in_proj_weight;  ///< fused: (Dq + Dk + Dv, E); empty when separate
-  Matrix<T> q_proj_weight;   ///< separate: (Dq, Eq); empty when fused
-  Matrix<T> k_proj_weight;   ///< separate: (Dk, Ek)
-  Matrix<T> v_proj_weight;   ///< separate: (Dv, Ev)
-  Vector<T> in_proj_bias;    ///< (Dq + Dk + Dv) in both forms (torch keeps one in_proj_bias
-                             ///< even with separate weights); empty without biases
+  Tensor<T, 3> dx;            ///< self-attention backward(x, ...): (B, S, E), the q, k and v paths
+                              ///< summed; empty after the cross-attention backward
+  Tensor<T, 3> dx_q;          ///< cross-attention: (B, Lq, Eq); empty after the self-attention one
+  Tensor<T, 3> dx_k;          ///< cross-attention: (B, Lk, Ek)
+  Tensor<T, 3> dx_v;          ///< cross-attention: (B, Lk, Ev)
+  Matrix<T> din_proj_weight;  ///< fused: (Dq + Dk + Dv, E); empty when separate
+  Matrix<T> dq_proj_weight;   ///< separate: (Dq, Eq); empty when fused
+  Matrix<T> dk_proj_weight;   ///< separate: (Dk, Ek)
+  Matrix<T> dv_proj_weight;   ///< separate: (Dv, Ev)
+  Vector<T> din_proj_bias;    ///< (Dq + Dk + Dv) in both forms (torch keeps one in_proj_bias
+                              ///< even with separate weights); empty without biases
 };
 
 /// Q, K and V projections: q = x_q Wq + bq, k = x_k Wk + bk, v = x_v Wv + bv.

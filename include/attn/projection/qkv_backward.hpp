@@ -112,16 +112,16 @@ void QKVProjection<T>::backward_into(const ConstRowsMap<T>& x_q,  // (Nq, Eq)
   };
   const Index total = q_dim() + k_dim() + v_dim();
   if (has_bias())
-    detail::prepare_gradient(function, "in_proj_bias", grads.in_proj_bias, total, 1, accumulate);
+    detail::prepare_gradient(function, "in_proj_bias", grads.din_proj_bias, total, 1, accumulate);
   else
-    grads.in_proj_bias.resize(0);
-  T* bias = has_bias() ? grads.in_proj_bias.data() : nullptr;
+    grads.din_proj_bias.resize(0);
+  T* bias = has_bias() ? grads.din_proj_bias.data() : nullptr;
   const auto block = [](Matrix<T>& m, Index first, Index rows) {  // rows of a torch weight
     return RowsMap<T>(m.data() + first * m.cols(), rows, m.cols(), Eigen::OuterStride<>(m.cols()));
   };
   if (is_fused()) {
     const Index e = q_in();
-    detail::prepare_gradient(function, "in_proj_weight", grads.in_proj_weight, total, e,
+    detail::prepare_gradient(function, "in_proj_weight", grads.din_proj_weight, total, e,
                              accumulate);
     const bool one_input = x_q.data() == x_k.data() && x_q.data() == x_v.data() &&
                            x_q.rows() == x_k.rows() && x_q.outerStride() == x_k.outerStride() &&
@@ -134,19 +134,19 @@ void QKVProjection<T>::backward_into(const ConstRowsMap<T>& x_q,  // (Nq, Eq)
     if (one_input && adjacent && one_dx) {
       const ConstRowsMap<T> dqkv(dq.data(), dq.rows(), total,
                                  Eigen::OuterStride<>(dq.outerStride()));
-      RowsMap<T> wg = block(grads.in_proj_weight, 0, total);
+      RowsMap<T> wg = block(grads.din_proj_weight, 0, total);
       detail::linear_backward_into<T>(x_q, fused_weight(), dqkv, dx_q, false, &wg, bias,
                                       accumulate);
       return;
     }
   } else {
-    grads.in_proj_weight.resize(0, 0);
+    grads.din_proj_weight.resize(0, 0);
   }
   // One Linear backward per path; an input gradient shared with an earlier path adds to it.
   const ConstRowsMap<T>* xs[3] = {&x_q, &x_k, &x_v};
   const ConstRowsMap<T>* gs[3] = {&dq, &dk, &dv};
   RowsMap<T>* dxs[3] = {dx_q, dx_k, dx_v};
-  Matrix<T>* separate[3] = {&grads.q_proj_weight, &grads.k_proj_weight, &grads.v_proj_weight};
+  Matrix<T>* separate[3] = {&grads.dq_proj_weight, &grads.dk_proj_weight, &grads.dv_proj_weight};
   const char* names[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};
   const Index first[3] = {0, q_dim(), q_dim() + k_dim()};
   const Index widths[3] = {q_dim(), k_dim(), v_dim()};
@@ -155,7 +155,7 @@ void QKVProjection<T>::backward_into(const ConstRowsMap<T>& x_q,  // (Nq, Eq)
       detail::prepare_gradient(function, names[p], *separate[p], widths[p], xs[p]->cols(),
                                accumulate);
     }
-    RowsMap<T> wg = is_fused() ? block(grads.in_proj_weight, first[p], widths[p])
+    RowsMap<T> wg = is_fused() ? block(grads.din_proj_weight, first[p], widths[p])
                                : block(*separate[p], 0, widths[p]);
     // A dx shared with an earlier path sums this path into it.
     const bool accumulate_dx = (p >= 1 && same(dxs[p], dxs[0])) || (p == 2 && same(dxs[2], dxs[1]));
@@ -165,9 +165,9 @@ void QKVProjection<T>::backward_into(const ConstRowsMap<T>& x_q,  // (Nq, Eq)
                                     accumulate_parameters);
   }
   if (is_fused()) {
-    grads.q_proj_weight.resize(0, 0);
-    grads.k_proj_weight.resize(0, 0);
-    grads.v_proj_weight.resize(0, 0);
+    grads.dq_proj_weight.resize(0, 0);
+    grads.dk_proj_weight.resize(0, 0);
+    grads.dv_proj_weight.resize(0, 0);
   }
 }
 
