@@ -62,10 +62,10 @@ TEST_CASE("strided log-sum-exp and weights views hold the contiguous results", "
     const auto expected = attn::scaled_dot_product_attention(
         q, k, v, options, naive ? Return::logsumexp | Return::weights : Return::logsumexp);
     // log-sum-exp (B, H, L) with padded strides: batch stride 4 * 6 + 2, head stride 6.
-    std::vector<float> lse(2 * 26, sentinel);
+    std::vector<float> lse(52, sentinel);  // 2 batches of 26
     const attn::RowsView<float> lse_view{lse.data(), 2, 4, 5, 26, 6, nullptr};
     // weights in (B, Lq, Hq, Lk) memory, seen as (B, Hq, Lq, Lk).
-    std::vector<float> weights(2 * 5 * 4 * 7, sentinel);
+    std::vector<float> weights(280, sentinel);  // (2, 5, 4, 7)
     attn::Tensor<float, 4> out(2, 4, 5, 3);
     attn::AttentionOutputViews<float> outputs(attn::bhld_view(out), lse_view);
     if (naive)
@@ -84,7 +84,7 @@ TEST_CASE("strided log-sum-exp and weights views hold the contiguous results", "
           else if (naive)
             CHECK(close(got, expected.logsumexp(b, h, i)));
           else
-            CHECK(std::memcmp(&got, &expected.logsumexp(b, h, i), sizeof(float)) == 0);
+            CHECK(same_bits(&got, &expected.logsumexp(b, h, i), 1));
         }
         for (Index i = 0; naive && i < 5; ++i) {
           for (Index j = 0; j < 7; ++j) {
@@ -105,7 +105,7 @@ TEST_CASE("the value forms compute what their Return set names", "[outputs]") {
   const attn::Tensor<float, 4> plain = attn::scaled_dot_product_attention(q, k, v);
   const auto lse_only = attn::scaled_dot_product_attention(q, k, v, {}, Return::logsumexp);
   CHECK(same_bits(lse_only.out.data(), plain.data(), plain.size()));
-  CHECK(lse_only.logsumexp.size() == 1 * 2 * 3);
+  CHECK(lse_only.logsumexp.size() == 6);
   CHECK(lse_only.weights.size() == 0);
   const auto both =
       attn::scaled_dot_product_attention(q, k, v, {}, Return::weights | Return::logsumexp);
@@ -130,8 +130,8 @@ TEST_CASE("the value forms compute what their Return set names", "[outputs]") {
   const attn::Matrix<float> km = Eigen::Map<const attn::Matrix<float>>(k.data(), 6, 4);
   const attn::Matrix<float> vm = Eigen::Map<const attn::Matrix<float>>(v.data(), 6, 2);
   const auto head = attn::scaled_dot_product_attention(qm, km, vm, {}, Return::weights);
-  CHECK(all_close(head.out.data(), plain.data(), 3 * 2));
-  CHECK(all_close(head.weights.data(), both.weights.data(), 3 * 6));
+  CHECK(all_close(head.out.data(), plain.data(), 6));
+  CHECK(all_close(head.weights.data(), both.weights.data(), 18));
   CHECK(head.logsumexp.size() == 0);
 
   // The backward's optional gradients only on request.
@@ -152,7 +152,11 @@ TEST_CASE("the value forms compute what their Return set names", "[outputs]") {
   CHECK(all.dsinks.size() == 2);
 
   // A strided dbias (rows padded to 8) holds the same bits as the contiguous one.
-  std::vector<float> padded(3 * 8, sentinel), dq(q.size()), dk(k.size()), dv(v.size());
+  const auto count = [](const attn::Tensor<float, 4>& t) {
+    return static_cast<std::size_t>(t.size());
+  };
+  std::vector<float> padded(24, sentinel),  // (3, 8)
+      dq(count(q)), dk(count(k)), dv(count(v));
   attn::AttentionGradientViews<float> grads{attn::bhld_view(dq.data(), 1, 2, 3, 4),
                                             attn::bhld_view(dk.data(), 1, 2, 6, 4),
                                             attn::bhld_view(dv.data(), 1, 2, 6, 2)};
@@ -174,7 +178,7 @@ TEST_CASE("optional output views are checked by name before anything is written"
   const std::string prefix = "scaled_dot_product_attention: ";
   attn::Tensor<float, 4> out(1, 2, 3, 2);
   out.setConstant(sentinel);
-  std::vector<float> lse(6, sentinel), weights(2 * 3 * 5, sentinel);
+  std::vector<float> lse(6, sentinel), weights(30, sentinel);
   const auto call = [&](const attn::AttentionOutputViews<float>& outputs,
                         const attn::AttentionOptions<float>& options = {}) {
     attn::scaled_dot_product_attention_into<float>(attn::bhld_view(q), attn::bhld_view(k),
@@ -285,7 +289,7 @@ TEST_CASE("optional gradient views are checked by name", "[outputs][errors]") {
 }
 
 TEST_CASE("packed_view of per-row values checks its tokens and offsets", "[outputs][errors]") {
-  std::vector<float> lse(2 * 5);
+  std::vector<float> lse(10);  // (2, 5)
   const std::vector<Index> cu{0, 2, 5}, bad{0, 4, 3};
   const attn::RowsView<float> packed = attn::packed_view(attn::bhl_view(lse.data(), 1, 2, 5), cu);
   CHECK(packed.batch == 2);

@@ -225,7 +225,6 @@ AttentionGradients<detail::rank4_scalar_t<TQ>> scaled_dot_product_attention_back
     const AttentionOptions<compute_scalar_t<detail::rank4_scalar_t<TQ>>>& options = {},
     Return returns = Return::nothing_else) {
   using T = detail::rank4_scalar_t<TQ>;
-  using C = compute_scalar_t<T>;
   static_assert(std::is_same_v<T, detail::rank4_scalar_t<TK>> &&
                     std::is_same_v<T, detail::rank4_scalar_t<TV>> &&
                     std::is_same_v<T, detail::rank4_scalar_t<TO>> &&
