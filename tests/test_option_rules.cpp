@@ -39,8 +39,11 @@ struct OptionRule {
 };
 
 const OptionRule option_rules[] = {
-    {"window", [](auto& o) { o.window = {-2, 0}; }, forward | backward | cache,
-     "window is (-2, 0): each side must be >= -1 (-1 = unbounded)"},
+    {"window",
+     [](auto& o) {
+       o.window = {-2, 0};
+     },
+     forward | backward | cache, "window is (-2, 0): each side must be >= -1 (-1 = unbounded)"},
     {"softcap", [](auto& o) { o.softcap = 0.0f; }, forward | backward | cache,
      "softcap is 0.000000: must be finite and > 0"},
     {"sink tokens", [](auto& o) { o.sink_tokens = -1; }, forward | backward | cache,
@@ -49,16 +52,25 @@ const OptionRule option_rules[] = {
      forward | backward | cache, "scale is inf: must be finite"},
     {"tiles", [](auto& o) { o.query_tile = -1; }, forward | backward | cache,
      "query_tile is -1 and key_tile is 0: tile sizes must be >= 0 (0 = default)"},
-    {"alibi slopes", [](auto& o) { o.alibi_slopes = {0.5f, 0.25f, 0.125f}; },
+    {"alibi slopes",
+     [](auto& o) {
+       o.alibi_slopes = {0.5f, 0.25f, 0.125f};
+     },
      forward | backward | cache, "alibi_slopes has 3 entries but there are 4 query heads"},
     {"sinks", [](auto& o) { o.sinks = {0.0f}; }, forward | backward | cache,
      "sinks has 1 entries but there are 4 query heads"},
     {"key_lengths count", [](auto& o) { o.key_lengths = {5}; }, forward | backward | linear,
      "key_lengths has 1 entries but the batch size is 2"},
-    {"key_lengths range", [](auto& o) { o.key_lengths = {5, 6}; }, forward | backward | linear,
-     "key_lengths[1] is 6: must lie in [0, Lk] with Lk = 5"},
-    {"query_lengths range", [](auto& o) { o.query_lengths = {-1, 3}; }, forward | backward,
-     "query_lengths[0] is -1: must lie in [0, Lq] with Lq = 3"},
+    {"key_lengths range",
+     [](auto& o) {
+       o.key_lengths = {5, 6};
+     },
+     forward | backward | linear, "key_lengths[1] is 6: must lie in [0, Lk] with Lk = 5"},
+    {"query_lengths range",
+     [](auto& o) {
+       o.query_lengths = {-1, 3};
+     },
+     forward | backward, "query_lengths[0] is -1: must lie in [0, Lq] with Lq = 3"},
 };
 
 Heads<float> make(Index b, Index h, Index l, Index d) {

@@ -459,11 +459,12 @@ TEST_CASE("packed and per-sequence options reject malformed input with a message
                                                                      v.packed(), narrow.packed()),
                       f + "out is [2, 2, 3, 3] but must be [2, 2, 3, 4] (B, Hq, Lq, Dv)");
   std::vector<float> weights(2 * 2 * 3 * 4);
-  REQUIRE_THROWS_WITH(
-      attn::scaled_dot_product_attention_into<float>(
-          q.packed(), k.packed(), v.packed(),
-          attn::AttentionOutputViews{out.packed(), std::nullopt, attn::bhld_view(weights.data(), 2, 2, 3, 4)}, {}),
-      f + "weights are not available for packed views: pad the sequences");
+  REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention_into<float>(
+                          q.packed(), k.packed(), v.packed(),
+                          attn::AttentionOutputViews{out.packed(), std::nullopt,
+                                                     attn::bhld_view(weights.data(), 2, 2, 3, 4)},
+                          {}),
+                      f + "weights are not available for packed views: pad the sequences");
   REQUIRE_THROWS_WITH(attn::scaled_dot_product_attention(q.packed(), k.packed(), v.packed()),
                       f + "packed views need a packed output: call "
                           "scaled_dot_product_attention_into with packed_view() of the output "
