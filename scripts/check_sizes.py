@@ -25,7 +25,6 @@ MAX_FUNCTION_LINES = 150
 # Larger than the limits when they came in (issue 30 splits them): path -> lines, and
 # "path:function" -> lines. Lower an entry when its file or function shrinks.
 KNOWN = {
-    "kernels/simd/tile_products.inl": 738,
 }
 KNOWN_FUNCTIONS = {
 }

@@ -75,11 +75,11 @@ void run_attention(const KernelPlan& plan,
 
 /// Throws unless the optional outputs have their shapes, are packed like q when q is, and
 /// share no element with the inputs, `out` or each other.
-template <class TQ, class TKV, class TO>
+template <class TQ, class TK, class TV, class TO>
 void check_optional_outputs(const char* function,
-                            const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
-                            const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
-                            const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
+                            const HeadsView<const TQ>& q,  // (B, Hq, Lq, D)
+                            const HeadsView<const TK>& k,  // (B, Hkv, Lk, D)
+                            const HeadsView<const TV>& v,  // (B, Hkv, Lk, Dv)
                             const AttentionOutputViews<TO>& outputs) {
   using C = compute_scalar_t<TQ>;
   std::optional<HeadsView<const C>> lse, weights;

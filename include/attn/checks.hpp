@@ -129,9 +129,9 @@ T resolve_scale(const char* function, const std::optional<T>& scale, Index dim) 
 /// is supported, each kernel reads a query row before it writes that row's output) or
 /// shares no element with q, k and v (an output overlapping k or v would change keys that
 /// later rows still read).
-template <class TQ, class TKV, class TO>
+template <class TQ, class TK, class TV, class TO>
 void check_output_aliasing(const char* function, const HeadsView<const TQ>& q,
-                           const HeadsView<const TKV>& k, const HeadsView<const TKV>& v,
+                           const HeadsView<const TK>& k, const HeadsView<const TV>& v,
                            const HeadsView<TO>& out_view) {
   const HeadsView<const TO> out = out_view;
   bool out_is_q = false;

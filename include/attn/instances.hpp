@@ -29,26 +29,30 @@
 
 // --- The kernels' entry points (kernels/dispatch.hpp's tables) ------------------------------
 // Of a vector instruction set's namespace NS (attn::detail::avx2, attn::detail::avx512): float.
-#define ATTN_VECTOR_KERNEL_INSTANCES(X, NS)   \
-  X(NS::flash_tile<float, float>)             \
-  X(NS::flash_tile<float, Eigen::half>)       \
-  X(NS::flash_tile<float, Eigen::bfloat16>)   \
-  X(NS::decode_split<float, float>)           \
-  X(NS::decode_split<float, Eigen::half>)     \
-  X(NS::decode_split<float, Eigen::bfloat16>) \
-  X(NS::merge_splits<float>)                  \
-  X(NS::backward_key_tile<float>)             \
-  X(NS::rope_rows<float, float>)              \
-  X(NS::rope_rows<float, Eigen::half>)        \
-  X(NS::rope_rows<float, Eigen::bfloat16>)    \
+#define ATTN_VECTOR_KERNEL_INSTANCES(X, NS)                    \
+  X(NS::flash_tile<float, float>)                              \
+  X(NS::flash_tile<float, Eigen::half>)                        \
+  X(NS::flash_tile<float, Eigen::bfloat16>)                    \
+  X(NS::decode_split<float, float, float>)                     \
+  X(NS::decode_split<float, Eigen::half, Eigen::half>)         \
+  X(NS::decode_split<float, Eigen::bfloat16, Eigen::bfloat16>) \
+  X(NS::decode_split<float, attn::BlockQ8_0, attn::BlockQ8_0>) \
+  X(NS::decode_split<float, attn::BlockQ8_0, attn::BlockQ4_0>) \
+  X(NS::decode_split<float, attn::BlockQ4_0, attn::BlockQ8_0>) \
+  X(NS::decode_split<float, attn::BlockQ4_0, attn::BlockQ4_0>) \
+  X(NS::merge_splits<float>)                                   \
+  X(NS::backward_key_tile<float>)                              \
+  X(NS::rope_rows<float, float>)                               \
+  X(NS::rope_rows<float, Eigen::half>)                         \
+  X(NS::rope_rows<float, Eigen::bfloat16>)                     \
   X(attn::detail::gemm_of<NS::Gemm, float>)
 // Of the generic namespace: the same, and double.
-#define ATTN_GENERIC_KERNEL_INSTANCES(X)                 \
-  ATTN_VECTOR_KERNEL_INSTANCES(X, attn::detail::generic) \
-  X(attn::detail::generic::flash_tile<double, double>)   \
-  X(attn::detail::generic::decode_split<double, double>) \
-  X(attn::detail::generic::merge_splits<double>)         \
-  X(attn::detail::generic::backward_key_tile<double>)    \
+#define ATTN_GENERIC_KERNEL_INSTANCES(X)                         \
+  ATTN_VECTOR_KERNEL_INSTANCES(X, attn::detail::generic)         \
+  X(attn::detail::generic::flash_tile<double, double>)           \
+  X(attn::detail::generic::decode_split<double, double, double>) \
+  X(attn::detail::generic::merge_splits<double>)                 \
+  X(attn::detail::generic::backward_key_tile<double>)            \
   X(attn::detail::generic::rope_rows<double, double>)
 
 // --- Attention (attn/attention.hpp, kernels/decode.hpp) -------------------------------------
@@ -61,11 +65,15 @@
   X(attn::detail::attention_into<Eigen::bfloat16, Eigen::bfloat16, Eigen::bfloat16>) \
   X(attn::detail::attention_into<Eigen::half, Eigen::half, float>)                   \
   X(attn::detail::attention_into<Eigen::bfloat16, Eigen::bfloat16, float>)
-#define ATTN_DECODE_INSTANCES(X)                        \
-  X(attn::detail::decode_attention<float, float>)       \
-  X(attn::detail::decode_attention<double, double>)     \
-  X(attn::detail::decode_attention<float, Eigen::half>) \
-  X(attn::detail::decode_attention<float, Eigen::bfloat16>)
+#define ATTN_DECODE_INSTANCES(X)                                             \
+  X(attn::detail::decode_attention<float, float, float>)                     \
+  X(attn::detail::decode_attention<double, double, double>)                  \
+  X(attn::detail::decode_attention<float, Eigen::half, Eigen::half>)         \
+  X(attn::detail::decode_attention<float, Eigen::bfloat16, Eigen::bfloat16>) \
+  X(attn::detail::decode_attention<float, attn::BlockQ8_0, attn::BlockQ8_0>) \
+  X(attn::detail::decode_attention<float, attn::BlockQ8_0, attn::BlockQ4_0>) \
+  X(attn::detail::decode_attention<float, attn::BlockQ4_0, attn::BlockQ8_0>) \
+  X(attn::detail::decode_attention<float, attn::BlockQ4_0, attn::BlockQ4_0>)
 
 // --- Gradients (attn/attention_backward.hpp, attn/linear_attention.hpp) ---------------------
 #define ATTN_BACKWARD_INSTANCES(X)                      \
@@ -84,11 +92,14 @@
 
 // --- Layers and state (attn/kv_cache.hpp, attn/rope.hpp, attn/projection.hpp,
 // attn/multihead.hpp) -------------------------------------------------------------------------
-#define ATTN_KV_CACHE_CLASSES(X) \
-  X(attn::KVCache<float>)        \
-  X(attn::KVCache<double>)       \
-  X(attn::KVCache<Eigen::half>)  \
-  X(attn::KVCache<Eigen::bfloat16>)
+#define ATTN_KV_CACHE_CLASSES(X)                     \
+  X(attn::KVCache<float>)                            \
+  X(attn::KVCache<double>)                           \
+  X(attn::KVCache<Eigen::half>)                      \
+  X(attn::KVCache<Eigen::bfloat16>)                  \
+  X(attn::KVCache<attn::BlockQ8_0, attn::BlockQ8_0>) \
+  X(attn::KVCache<attn::BlockQ8_0, attn::BlockQ4_0>) \
+  X(attn::KVCache<attn::BlockQ4_0, attn::BlockQ4_0>)
 #define ATTN_ROPE_CLASSES(X)      \
   X(attn::RotaryEmbedding<float>) \
   X(attn::RotaryEmbedding<double>)

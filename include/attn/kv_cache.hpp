@@ -1,8 +1,22 @@
 // attn/kv_cache.hpp: a key/value cache for autoregressive decoding.
 //
-//   keys    (B, Hkv, capacity, D)    S: float, double, Eigen::half or Eigen::bfloat16
-//   values  (B, Hkv, capacity, Dv)   S
+//   keys    (B, Hkv, capacity, D)    S: float, double, Eigen::half, Eigen::bfloat16, or
+//                                    BlockQ8_0 / BlockQ4_0 (blocks of 32 along D)
+//   values  (B, Hkv, capacity, Dv)   SV (S by default): the same choices
 //   lengths (B)                      tokens held per sequence; each <= capacity
+//
+// Quantized formats (attn/quantized.hpp, docs/quantized-cache.md): K and V each float, 16-bit
+// or q8_0 / q4_0 blocks, chosen independently (KVCache<BlockQ8_0, BlockQ4_0>, say); D (or
+// Dv) of a quantized side must be a multiple of 32. Rows are quantized as they are appended,
+// by ggml's reference rounding, and attend() reads the blocks in the decode kernel whatever Lq
+// is (no float copy of the cache is made). A block holding NaN or infinity reads back as 32
+// NaNs. Without a quantized side, S and SV must be the same.
+//
+// Rotation (KVRotation::hadamard): every appended key and value row is rotated by the
+// orthonormal Hadamard matrix H of attn/hadamard.hpp before it is stored (after RoPE), the
+// queries are rotated by H at attend() and the output rotated back, so the result is the
+// same in exact arithmetic, (q H)(k H)^T = q k^T, while each quantized block sees its values
+// spread evenly. Available for every format; it pays for 4-bit blocks.
 //
 // Each (b, kv head) owns `capacity` contiguous rows, so appending a token writes one row per
 // head and never moves the others. Sequences may hold different numbers of tokens (ragged
@@ -35,35 +49,52 @@
 
 #include "attn/attention.hpp"
 #include "attn/config.hpp"
+#include "attn/hadamard.hpp"
 #include "attn/kernels/decode.hpp"
 #include "attn/mask.hpp"
 #include "attn/outputs.hpp"
+#include "attn/quantized.hpp"
 #include "attn/rope.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn {
 
-/// Key/value cache of B sequences, Hkv heads, head dims D (keys) and Dv (values).
-template <class S>
+/// Whether a KVCache rotates its rows by a Hadamard matrix (attn/hadamard.hpp).
+enum class KVRotation { none, hadamard };
+
+/// Key/value cache of B sequences, Hkv heads, head dims D (keys) and Dv (values), keys
+/// stored as S and values as SV.
+template <class S, class SV = S>
 class KVCache {
-  static_assert(std::is_same_v<S, float> || std::is_same_v<S, double> ||
-                    std::is_same_v<S, Eigen::half> || std::is_same_v<S, Eigen::bfloat16>,
-                "KVCache: S must be float, double, Eigen::half or Eigen::bfloat16");
+  template <class X>
+  static constexpr bool is_format_v = std::is_same_v<X, float> || std::is_same_v<X, double> ||
+                                      is_16bit_scalar_v<X> || is_quantized_v<X>;
+  static_assert(is_format_v<S> && is_format_v<SV>,
+                "KVCache: S and SV must be float, double, Eigen::half, Eigen::bfloat16, "
+                "attn::BlockQ8_0 or attn::BlockQ4_0");
+  static constexpr bool quantized = is_quantized_v<S> || is_quantized_v<SV>;
+  static_assert(std::is_same_v<S, SV> ||
+                    (quantized && !std::is_same_v<S, double> && !std::is_same_v<SV, double>),
+                "KVCache: keys and values may differ only when one of them is quantized (and "
+                "neither is double)");
 
  public:
   using storage_type = S;
+  using key_storage = S;
+  using value_storage = SV;
   /// The type of queries, outputs and accumulation: double for a double cache, else float.
   using compute_type = std::conditional_t<std::is_same_v<S, double>, double, float>;
 
   KVCache() = default;
   /// An empty cache (every length 0) with room for `capacity` tokens per sequence.
   KVCache(Index batch, Index kv_heads, Index dim, Index value_dim, Index capacity,
-          bool allow_growth = true)
+          bool allow_growth = true, KVRotation rotation = KVRotation::none)
       : batch_(batch),
         kv_heads_(kv_heads),
         dim_(dim),
         value_dim_(value_dim),
         allow_growth_(allow_growth),
+        rotation_(rotation),
         lengths_(static_cast<std::size_t>(std::max(batch, Index(0))), 0) {
     if (batch < 1 || kv_heads < 1 || dim < 1 || value_dim < 1 || capacity < 0) {
       detail::throw_invalid_argument("KVCache",
@@ -71,6 +102,22 @@ class KVCache {
                                          detail::shape_string({batch, kv_heads, dim, value_dim}) +
                                          " and capacity " + std::to_string(capacity) +
                                          ": sizes must be positive and the capacity >= 0");
+    }
+    const auto refuse_partial_blocks = [&](bool blocks, const char* name, Index d) {
+      if (blocks && d % quantized_block_values != 0) {
+        detail::throw_invalid_argument(
+            "KVCache", "(B, Hkv, D, Dv) is " +
+                           detail::shape_string({batch, kv_heads, dim, value_dim}) + ": " + name +
+                           " is " + std::to_string(d) +
+                           " but a quantized format needs a multiple of 32 (its block size)");
+      }
+    };
+    refuse_partial_blocks(is_quantized_v<S>, "D", dim);
+    refuse_partial_blocks(is_quantized_v<SV>, "Dv", value_dim);
+    if (rotation != KVRotation::none && rotation != KVRotation::hadamard) {
+      detail::throw_invalid_argument(
+          "KVCache",
+          "rotation is " + std::to_string(static_cast<int>(rotation)) + ": not a KVRotation");
     }
     allocate(capacity);
   }
@@ -81,6 +128,7 @@ class KVCache {
   Index value_dim() const { return value_dim_; }
   Index capacity() const { return capacity_; }
   bool allow_growth() const { return allow_growth_; }
+  KVRotation rotation() const { return rotation_; }
   /// (B) tokens held per sequence.
   const std::vector<Index>& lengths() const { return lengths_; }
   /// The longest sequence: the L of keys_view() and values_view().
@@ -101,10 +149,14 @@ class KVCache {
   /// (B, Hkv, max_length, D) view of the keys: rows j >= lengths()[b] of sequence b are
   /// unused (pass lengths() as AttentionOptions::key_lengths with Causal::bottom_right: each
   /// sequence's diagonal is then measured from its own length). B and H strides span the
-  /// whole capacity; valid until the next append, reserve or destruction.
-  HeadsView<const S> keys_view() const { return view(keys_.data(), dim_); }
+  /// whole capacity; valid until the next append, reserve or destruction. For a quantized S
+  /// its dim counts blocks, D / 32 per row, and its strides are in blocks; with rotation the
+  /// rows are rotated.
+  HeadsView<const S> keys_view() const { return view(keys_.data(), dim_ / values_per_unit_v<S>); }
   /// (B, Hkv, max_length, Dv) view of the values, as keys_view().
-  HeadsView<const S> values_view() const { return view(values_.data(), value_dim_); }
+  HeadsView<const SV> values_view() const {
+    return view(values_.data(), value_dim_ / values_per_unit_v<SV>);
+  }
 
   /// Appends Lnew tokens to every sequence, converting them to S. keys (B, Hkv, Lnew, D),
   /// values (B, Hkv, Lnew, Dv), any strided layout, of any floating type U (float, double
@@ -208,8 +260,19 @@ class KVCache {
     constexpr const char* function = "KVCache::attend";
     const HeadsView<compute_type>& out = outputs.out;
     // The rules and wording of scaled_dot_product_attention, k and v being the cache's.
-    const HeadsView<const S> keys = keys_view(), values = values_view();
-    detail::check_attention_shapes(function, q, keys, values, "k (cached)", "v (cached)");
+    const HeadsView<const S> keys = keys_view();
+    const HeadsView<const SV> values = values_view();
+    // Packing first, as in scaled_dot_product_attention: the cache's rows are not packed.
+    const detail::PackedRows unpacked_lse{"logsumexp", q.row_offsets, q.batch, q.length};
+    detail::check_packing(
+        function,
+        {detail::packed_rows("q", q), detail::packed_rows("out", out),
+         outputs.logsumexp
+             ? detail::packed_rows("logsumexp", detail::rows_as_heads(*outputs.logsumexp))
+             : unpacked_lse},
+        {detail::packed_rows("k", keys), detail::packed_rows("v", values)});
+    detail::check_attention_shapes(function, q, shape_of(keys, dim_), shape_of(values, value_dim_),
+                                   "k (cached)", "v (cached)");
     detail::check_output_shape(function, q, value_dim_, out);
     if (options.causal != Causal::none || !options.key_lengths.empty() ||
         !options.query_lengths.empty()) {
@@ -232,12 +295,32 @@ class KVCache {
     // One call: the mask aligns each sequence's diagonal to its own length (query i of b
     // sees j <= lengths[b] - Lq + i), so ragged sequences run in parallel together. The
     // kernels of scaled_dot_product_attention (decode for a few queries, flash for a prompt;
-    // a 16-bit cache widened as it is read), their messages naming KVCache::attend.
+    // a 16-bit cache widened as it is read; a quantized one always decode), their messages
+    // naming KVCache::attend.
     AttentionOptions<C> o = options;
     o.causal = Causal::bottom_right;
     if (std::any_of(lengths_.begin(), lengths_.end(), [&](Index n) { return n != max_length(); }))
       o.key_lengths = lengths_;
-    detail::attention_into<C, S, C>(function, q, keys, values, outputs, o);
+    if (rotation_ == KVRotation::none)
+      return attend_stored(q, outputs, o);
+    // The queries rotated like the keys; the output, rotated like the values, turned back.
+    detail::check_output_aliasing(function, q, keys, values, out);
+    std::vector<C> rotated(static_cast<std::size_t>(q.batch * q.heads * q.length * dim_));
+    const HeadsView<C> q_rotated = bhld_view(rotated.data(), q.batch, q.heads, q.length, dim_);
+    for (Index b = 0; b < q.batch; ++b) {
+      for (Index h = 0; h < q.heads; ++h) {
+        q_rotated.head(b, h) = q.head(b, h);
+        for (Index i = 0; i < q.length; ++i)
+          hadamard_rotate(q_rotated.head(b, h).row(i).data(), dim_);
+      }
+    }
+    attend_stored(q_rotated, outputs, o);
+    for (Index b = 0; b < out.batch; ++b) {
+      for (Index h = 0; h < out.heads; ++h) {
+        for (Index i = 0; i < out.length; ++i)
+          hadamard_rotate(out.head(b, h).row(i).data(), value_dim_);
+      }
+    }
   }
 
   /// attend_into() returning out (B, Hq, Lq, Dv); q is a rank-4 tensor (B, Hq, Lq, D).
@@ -251,14 +334,69 @@ class KVCache {
  private:
   using C = compute_type;
 
-  HeadsView<const S> view(const S* data, Index dim) const {
-    return {
-        data, batch_, kv_heads_, max_length(), dim, kv_heads_ * capacity_ * dim, capacity_ * dim,
-        dim};
+  static constexpr const char* attend_name = "KVCache::attend";
+
+  template <class X>
+  HeadsView<const X> view(const X* data, Index units) const {
+    return {data,
+            batch_,
+            kv_heads_,
+            max_length(),
+            units,
+            kv_heads_ * capacity_ * units,
+            capacity_ * units,
+            units};
   }
 
-  Index row_offset(Index b, Index h, Index row, Index dim) const {
-    return ((b * kv_heads_ + h) * capacity_ + row) * dim;
+  /// A view's shape with `dim` values per row and no data: what the shape checks measure.
+  template <class X>
+  static HeadsView<const C> shape_of(const HeadsView<const X>& x, Index dim) {
+    return {nullptr, x.batch, x.heads, x.length, dim, 0, 0, dim};
+  }
+
+  /// attend_into() after the cache's own checks and options, q rotated when the rows are.
+  void attend_stored(const HeadsView<const C>& q,             // (B, Hq, Lq, D)
+                     const AttentionOutputViews<C>& outputs,  // out (B, Hq, Lq, Dv), ...
+                     const AttentionOptions<C>& options) const {
+    const HeadsView<const S> keys = keys_view();
+    const HeadsView<const SV> values = values_view();
+    if constexpr (!quantized) {
+      detail::attention_into<C, S, C>(attend_name, q, keys, values, outputs, options);
+    } else {
+      // The checks of attention_into that concern a quantized cache, in its words.
+      detail::check_output_aliasing(attend_name, q, keys, values, outputs.out);
+      if (outputs.weights) {
+        detail::throw_invalid_argument(attend_name,
+                                       "weights are not available with a quantized cache (its "
+                                       "kernel, decode, never forms them)");
+      }
+      detail::check_optional_outputs(attend_name, q, keys, values, outputs);
+      if (options.algorithm != Algorithm::automatic && options.algorithm != Algorithm::decode) {
+        detail::throw_invalid_argument(
+            attend_name, std::string("options.algorithm is ") + algorithm_name(options.algorithm) +
+                             ": a quantized cache runs the decode kernel only (automatic or "
+                             "decode)");
+      }
+      const C scale = detail::resolve_scale(attend_name, options.scale, q.dim);
+      AttentionOptions<C> decode = options;
+      decode.algorithm = Algorithm::decode;
+      const KernelPlan plan = plan_attention<C>(
+          {q.batch, q.heads, kv_heads_, q.length, max_length(), dim_, value_dim_, Index(sizeof(S))},
+          decode, false, attend_name);
+      const Mask<C> mask(attend_name, q.batch, q.heads, q.length, max_length(), decode, plan.isa);
+      const detail::RowValues<C> logsumexp =
+          outputs.logsumexp ? detail::row_values(*outputs.logsumexp) : detail::RowValues<C>{};
+      detail::decode_attention<C, S, SV>(plan, q, keys, values, outputs.out, mask, scale,
+                                         logsumexp);
+    }
+  }
+
+  /// Storage units per row: values, or blocks of 32 for a quantized format.
+  Index key_units() const { return dim_ / values_per_unit_v<S>; }
+  Index value_units() const { return value_dim_ / values_per_unit_v<SV>; }
+
+  Index row_offset(Index b, Index h, Index row, Index units) const {
+    return ((b * kv_heads_ + h) * capacity_ + row) * units;
   }
 
   std::string lengths_string() const { return detail::list_string(lengths_); }
@@ -326,48 +464,72 @@ class KVCache {
     for (Index b = 0; b < batch_; ++b) {
       const Index length = lengths_[static_cast<std::size_t>(b)], n = count_of(keys, counts, b);
       for (Index h = 0; h < kv_heads_; ++h) {
-        store(keys, b, h, n, keys_.data() + row_offset(b, h, length, dim_), dim_);
-        store(values, b, h, n, values_.data() + row_offset(b, h, length, value_dim_), value_dim_);
+        store(keys, b, h, n, keys_.data() + row_offset(b, h, length, key_units()), dim_);
+        store(values, b, h, n, values_.data() + row_offset(b, h, length, value_units()),
+              value_dim_);
       }
       lengths_[static_cast<std::size_t>(b)] = length + n;
     }
   }
 
-  /// Rows [0, n) of head (b, h) of `x` into `dst` (n contiguous rows of `dim`), as S.
-  template <class U>
-  static void store(const HeadsView<const U>& x, Index b, Index h, Index n, S* dst, Index dim) {
+  /// Rows [0, n) of head (b, h) of `x` into `dst` (n rows of `dim` values, stored as X),
+  /// rotated when the cache rotates, quantized when X is a block.
+  template <class U, class X>
+  void store(const HeadsView<const U>& x, Index b, Index h, Index n, X* dst, Index dim) const {
     if (n == 0)
       return;
     const HeadMatrix<const U> rows = x.head(b, h);
+    const auto value = [](U u) {
+      if constexpr (is_16bit_scalar_v<U>)  // half <-> bfloat16 convert through float
+        return static_cast<float>(u);
+      else
+        return u;
+    };
+    if constexpr (!is_quantized_v<X>) {
+      if (rotation_ == KVRotation::none) {
+        for (Index r = 0; r < n; ++r) {
+          const U* src = rows.row(r).data();
+          if constexpr (std::is_same_v<U, X>)
+            std::copy(src, src + dim, dst + r * dim);
+          else
+            for (Index d = 0; d < dim; ++d)
+              dst[r * dim + d] = static_cast<X>(value(src[d]));
+        }
+        return;
+      }
+    }
+    // Each row through a buffer in the compute type: rotated, then rounded to X once.
+    std::vector<C> row(static_cast<std::size_t>(dim));
+    std::vector<float> narrow(is_quantized_v<X> ? static_cast<std::size_t>(dim) : 0);
     for (Index r = 0; r < n; ++r) {
       const U* src = rows.row(r).data();
-      if constexpr (std::is_same_v<U, S>) {
-        std::copy(src, src + dim, dst + r * dim);
+      for (Index d = 0; d < dim; ++d)
+        row[static_cast<std::size_t>(d)] = static_cast<C>(value(src[d]));
+      if (rotation_ == KVRotation::hadamard)
+        hadamard_rotate(row.data(), dim);
+      if constexpr (is_quantized_v<X>) {
+        std::copy(row.begin(), row.end(), narrow.begin());
+        quantize_blocks(narrow.data(), dim, dst + r * (dim / quantized_block_values));
       } else {
-        for (Index d = 0; d < dim; ++d) {
-          if constexpr (is_16bit_scalar_v<U>)  // half <-> bfloat16 convert through float
-            dst[r * dim + d] = static_cast<S>(static_cast<float>(src[d]));
-          else
-            dst[r * dim + d] = static_cast<S>(src[d]);
-        }
+        for (Index d = 0; d < dim; ++d)
+          dst[r * dim + d] = static_cast<X>(row[static_cast<std::size_t>(d)]);
       }
     }
   }
 
   /// Moves the held tokens into buffers of `capacity` rows per (b, kv head).
   void allocate(Index capacity) {
-    std::vector<S> keys(static_cast<std::size_t>(batch_ * kv_heads_ * capacity * dim_));
-    std::vector<S> values(static_cast<std::size_t>(batch_ * kv_heads_ * capacity * value_dim_));
+    std::vector<S> keys(static_cast<std::size_t>(batch_ * kv_heads_ * capacity * key_units()));
+    std::vector<SV> values(static_cast<std::size_t>(batch_ * kv_heads_ * capacity * value_units()));
+    const auto move_rows = [&](const auto& from, auto& to, Index b, Index h, Index units) {
+      const auto* first = from.data() + ((b * kv_heads_ + h) * capacity_) * units;
+      std::copy(first, first + lengths_[static_cast<std::size_t>(b)] * units,
+                to.data() + ((b * kv_heads_ + h) * capacity) * units);
+    };
     for (Index b = 0; b < batch_; ++b) {
-      const Index length = lengths_[static_cast<std::size_t>(b)];
       for (Index h = 0; h < kv_heads_; ++h) {
-        const auto move_rows = [&](const std::vector<S>& from, std::vector<S>& to, Index dim) {
-          const S* first = from.data() + ((b * kv_heads_ + h) * capacity_) * dim;
-          std::copy(first, first + length * dim,
-                    to.data() + ((b * kv_heads_ + h) * capacity) * dim);
-        };
-        move_rows(keys_, keys, dim_);
-        move_rows(values_, values, value_dim_);
+        move_rows(keys_, keys, b, h, key_units());
+        move_rows(values_, values, b, h, value_units());
       }
     }
     keys_ = std::move(keys);
@@ -377,8 +539,10 @@ class KVCache {
 
   Index batch_ = 0, kv_heads_ = 0, dim_ = 0, value_dim_ = 0, capacity_ = 0;
   bool allow_growth_ = true;
-  std::vector<Index> lengths_;    // (B)
-  std::vector<S> keys_, values_;  // (B, Hkv, capacity, D), (B, Hkv, capacity, Dv)
+  KVRotation rotation_ = KVRotation::none;
+  std::vector<Index> lengths_;  // (B)
+  std::vector<S> keys_;         // (B, Hkv, capacity, D / values_per_unit_v<S>)
+  std::vector<SV> values_;      // (B, Hkv, capacity, Dv / values_per_unit_v<SV>)
 };
 
 }  // namespace attn

@@ -118,6 +118,15 @@ inline void check_sequence_offsets(const char* function, const char* name,
   }
 }
 
+/// The address of row `row` of head (b, h): head(b, h).row(row).data() without forming a
+/// matrix, so also for views of quantized blocks (attn/quantized.hpp).
+template <class T>
+T* row_data(const HeadsView<T>& x, Index b, Index h, Index row) {
+  const Index first =
+      x.row_offsets == nullptr ? b * x.batch_stride : x.row_offsets[b] * x.row_stride;
+  return x.data + first + h * x.head_stride + row * x.row_stride;
+}
+
 /// packed_view() without its checks, for offsets the caller has validated.
 template <class T>
 HeadsView<T> unchecked_packed_view(HeadsView<T> tokens,                  // (1, H, T, D)

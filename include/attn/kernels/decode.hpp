@@ -21,7 +21,7 @@
 //     count and the merge order is fixed, so results are bitwise identical for any number
 //     of threads;
 //   - reads K and V in S, so a half cache costs half the bandwidth: the vector products
-//     (simd/tile_products.inl) widen each piece of a k or v row in a register and prefetch 32
+//     (simd/decode_products.inl) widen each piece of a k or v row in a register and prefetch 32
 //     rows ahead; the generic ones widen blocks of `key_block` rows into the workspace.
 // Accumulation (scores, softmax sums, P V) is always in the compute scalar, never in half:
 // a half accumulator has an 11-bit significand, so summing thousands of weights stops
@@ -54,41 +54,53 @@
 #include "attn/mask.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
+#include "attn/quantized.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn::detail {
 
+/// The K/V formats a float decode reads: float, 16-bit, or quantized blocks.
+template <class S>
+inline constexpr bool is_float_readable_v =
+    std::is_same_v<S, float> || is_16bit_scalar_v<S> || is_quantized_v<S>;
+
 /// Decode attention over all (b, kv head, split) items of the plan, then the merge of each
 /// (b, kv head)'s splits. Shapes and the mask must already be validated; tests may shrink
-/// plan.split_keys and plan.key_block (> 0) to exercise many splits cheaply.
-template <class T, class S>
+/// plan.split_keys and plan.key_block (> 0) to exercise many splits cheaply. K and V may be
+/// stored in different formats (a q8_0 K with a q4_0 V, say); the views of quantized ones
+/// count blocks in their dim.
+template <class T, class SK, class SV = SK>
 void decode_attention(const KernelPlan& plan,
-                      const HeadsView<const T>& q,  // (B, Hq, Lq, D)
-                      const HeadsView<const S>& k,  // (B, Hkv, Lk, D)
-                      const HeadsView<const S>& v,  // (B, Hkv, Lk, Dv)
-                      const HeadsView<T>& out,      // (B, Hq, Lq, Dv)
+                      const HeadsView<const T>& q,   // (B, Hq, Lq, D)
+                      const HeadsView<const SK>& k,  // (B, Hkv, Lk, D / values_per_unit_v<SK>)
+                      const HeadsView<const SV>& v,  // (B, Hkv, Lk, Dv / values_per_unit_v<SV>)
+                      const HeadsView<T>& out,       // (B, Hq, Lq, Dv)
                       const Mask<T>& mask, T scale,
                       const RowValues<T>& logsumexp) {  // (B, Hq, Lq), (Hq, Tq) or null
-  static_assert(std::is_same_v<S, T> || (std::is_same_v<T, float> && is_16bit_scalar_v<S>),
-                "decode_attention: S must be T, or Eigen::half / Eigen::bfloat16 with T = float");
+  static_assert(
+      (std::is_same_v<SK, T> && std::is_same_v<SV, T>) ||
+          (std::is_same_v<T, float> && is_float_readable_v<SK> && is_float_readable_v<SV>),
+      "decode_attention: K and V must be stored as T, or with T = float as float, "
+      "Eigen::half, Eigen::bfloat16 or quantized blocks");
   ATTN_ASSERT(plan.split_keys > 0 && plan.key_block > 0);
   const Index batch = q.batch, q_heads = q.heads, kv_heads = k.heads, q_length = q.length;
   if (batch == 0 || q_heads == 0 || q_length == 0)
     return;
-  const Index group = q_heads / kv_heads, rows = group * q_length;
+  const Index group = q_heads / kv_heads, rows = group * q_length, value_dim = out.dim;
   const Index splits = (k.length + plan.split_keys - 1) / plan.split_keys;
-  const Index partial_size = rows * (v.dim + 2);
+  const Index partial_size = rows * (value_dim + 2);
   const Index groups = batch * kv_heads, work_items = groups * splits;
   // Not cut to Lk: the block is the row stride of the scores, and a call must give the same
   // bits whatever the longest sequence it holds (Eigen's products round differently at
   // different strides).
   const Index key_block = plan.key_block;
   std::vector<T> partials(static_cast<std::size_t>(work_items * partial_size));
-  const ForwardKernels<T, S>& kernels = forward_kernels<T, S>(plan.isa);
+  const DecodeKernels<T, SK, SV>& kernels = decode_kernels<T, SK, SV>(plan.isa);
+  const bool widened = !(std::is_same_v<SK, T> && std::is_same_v<SV, T>);
   const auto make_workspace = [&] {
     Workspace<T> workspace;
-    workspace.reserve_decode(rows, key_block, q.dim, v.dim,
-                             !std::is_same_v<S, T> && !kernels.widens_kv_in_registers);
+    workspace.reserve_decode(rows, key_block, q.dim, value_dim,
+                             widened && !kernels.widens_kv_in_registers);
     return workspace;
   };
   for_each_item(
@@ -150,7 +162,7 @@ void run_decode(const KernelPlan& plan,
   } else {
     out_view = wide_view(out_wide, out, v.dim);
   }
-  decode_attention<T, TKV>(plan, q_view, k, v, out_view, mask, scale, logsumexp);
+  decode_attention<T, TKV, TKV>(plan, q_view, k, v, out_view, mask, scale, logsumexp);
   if constexpr (!std::is_same_v<TO, T>) {
     for (Index b = 0; b < batch; ++b) {
       for (Index h = 0; h < q_heads; ++h)

@@ -3,7 +3,8 @@
 // Every instruction-set namespace (generic, avx2, avx512) ends with one Table
 // (simd/table.inl) of its entry points:
 //
-//   forward<T, S>   flash_tile, decode_split, merge_splits   (kernels/online_softmax.inl)
+//   forward<T, S>   flash_tile                               (kernels/online_softmax.inl)
+//   decode<T, SK, SV>  decode_split, merge_splits            (kernels/online_softmax.inl)
 //   backward<T>     backward_key_tile                        (kernels/flash_backward.inl)
 //   gemm<float>     the projections' GEMM                    (kernels/gemm.hpp)
 //   rope<S>         the rotation of RoPE rows                (kernels/simd/rope.inl)
@@ -31,17 +32,24 @@
 
 namespace attn::detail {
 
-/// The flash and decode kernels of one instruction set for compute scalar T, K/V stored as S.
+/// The flash kernel of one instruction set for compute scalar T, K/V stored as S.
 template <class T, class S>
 struct ForwardKernels {
   Isa isa;
-  Index lanes;                  ///< flash query tiles are padded to whole vectors of this many
-  bool widens_kv_in_registers;  ///< decode reads 16-bit K/V itself (else widened per block)
+  Index lanes;  ///< flash query tiles are padded to whole vectors of this many
   decltype(&generic::flash_tile<T, S>) flash_tile;
-  decltype(&generic::decode_split<T, S>) decode_split;
-  decltype(&generic::merge_splits<T>) merge_splits;
 
   Index padded(Index n) const { return (n + lanes - 1) / lanes * lanes; }
+};
+
+/// The decode kernel of one instruction set for compute scalar T, K stored as SK and V as SV
+/// (each T, 16-bit, or quantized blocks).
+template <class T, class SK, class SV>
+struct DecodeKernels {
+  Isa isa;
+  bool widens_kv_in_registers;  ///< decode reads stored K/V itself (else widened per block)
+  decltype(&generic::decode_split<T, SK, SV>) decode_split;
+  decltype(&generic::merge_splits<T>) merge_splits;
 };
 
 /// The flash backward's tile step of one instruction set for compute scalar T.
@@ -90,7 +98,7 @@ decltype(auto) dispatch(Isa isa, const Pick& pick) {
   return pick(generic::Table{});
 }
 
-/// The flash and decode kernels of `isa` (the generic ones for any scalar but float).
+/// The flash kernel of `isa` (the generic one for any scalar but float).
 template <class T, class S>
 const ForwardKernels<T, S>& forward_kernels(Isa isa) {
   if constexpr (std::is_same_v<T, float>) {
@@ -100,6 +108,19 @@ const ForwardKernels<T, S>& forward_kernels(Isa isa) {
   } else {
     ATTN_DISPATCH_OBSERVER(isa);
     return generic::Table::forward<T, S>;
+  }
+}
+
+/// The decode kernel of `isa` (the generic one for any scalar but float).
+template <class T, class SK, class SV>
+const DecodeKernels<T, SK, SV>& decode_kernels(Isa isa) {
+  if constexpr (std::is_same_v<T, float>) {
+    return dispatch(isa, [](auto table) -> const DecodeKernels<T, SK, SV>& {
+      return decltype(table)::template decode<T, SK, SV>;
+    });
+  } else {
+    ATTN_DISPATCH_OBSERVER(isa);
+    return generic::Table::decode<T, SK, SV>;
   }
 }
 

@@ -22,6 +22,7 @@
 #include "attn/kernels/simd/tile_products.hpp"
 #include "attn/kernels/workspace.hpp"
 #include "attn/mask.hpp"
+#include "attn/quantized.hpp"
 #include "attn/tensor.hpp"
 
 #define ATTN_ISA_SOURCE "attn/kernels/online_softmax.inl"

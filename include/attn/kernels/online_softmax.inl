@@ -106,6 +106,18 @@ inline void finish_query(Index parts, const T* m, const T* l, Index part_stride,
     *logsumexp = max + std::log(sum);
 }
 
+/// dst (count, dim), contiguous = `count` rows of K or V stored as S, `stride` S apart (S
+/// 16-bit, or quantized blocks, dim a multiple of 32): widened or dequantized to float.
+template <class S>
+inline void widen_rows(const S* rows, Index stride, Index count, Index dim, float* dst) {
+  for (Index r = 0; r < count; ++r) {
+    if constexpr (is_quantized_v<S>)
+      dequantize_blocks(rows + r * stride, dim / quantized_block_values, dst + r * dim);
+    else
+      widen(rows + r * stride, dst + r * dim, dim);
+  }
+}
+
 /// Rows [first, first + count) of one head in the compute scalar T: the memory itself when
 /// S is T, else widened into `buffer` (at least (count, cols)).
 template <class T, class S>
@@ -225,10 +237,10 @@ void flash_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
 ///             mask s (per query head: bias, keep-mask and ALiBi depend on it)
 ///             online softmax along the rows of s
 ///             acc = alpha acc + s v block
-template <class T, class S>
-void decode_split(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
-                  const HeadsView<const S>& k,  // (B, Hkv, Lk, D)
-                  const HeadsView<const S>& v,  // (B, Hkv, Lk, Dv)
+template <class T, class SK, class SV>
+void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
+                  const HeadsView<const SK>& k,  // (B, Hkv, Lk, D / values_per_unit_v<SK>)
+                  const HeadsView<const SV>& v,  // (B, Hkv, Lk, Dv / values_per_unit_v<SV>)
                   const Mask<T>& mask, T scale, Index b, Index kv_head, Index j0, Index j1,
                   Index key_block, Workspace<T>& workspace,
                   T* partial) {  // m (R), l (R), acc (R, Dv)
@@ -236,7 +248,7 @@ void decode_split(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
   // are r = g * Lq_b + i.
   const Index group = q.heads / k.heads, q_length = q.rows(b), rows = group * q_length;
   const Index layout_rows = group * q.length;
-  const Index dim = q.dim, value_dim = v.dim;
+  const Index dim = q.dim, value_dim = v.dim * values_per_unit_v<SV>;
   T* m = partial;
   T* l = partial + layout_rows;
   T* acc = partial + 2 * layout_rows;
@@ -269,15 +281,13 @@ void decode_split(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
         mask.classify_heads(b, first_head, first_head + group, 0, q_length, c0, c1);
     if (visibility == TileVisibility::hidden)
       continue;
-    const S* k_rows = k.head(b, kv_head).row(c0).data();
-    const S* v_rows = v.head(b, kv_head).row(c0).data();
-    if constexpr (widens_in_registers || std::is_same_v<S, T>) {
+    const SK* k_rows = row_data(k, b, kv_head, c0);
+    const SV* v_rows = row_data(v, b, kv_head, c0);
+    if constexpr (widens_in_registers || std::is_same_v<SK, T>) {
       dot_scores(q_tile, dim, rows, k_rows, k.row_stride, cols, dim, s, s_stride);
     } else {
-      const HeadMatrix<const T> k_block = tile_rows<T, S>(
-          HeadMatrix<const S>(k_rows, cols, dim, Eigen::OuterStride<>(k.row_stride)), 0, cols,
-          workspace.k);
-      dot_scores(q_tile, dim, rows, k_block.data(), k_block.outerStride(), cols, dim, s, s_stride);
+      widen_rows(k_rows, k.row_stride, cols, dim, workspace.k.data());
+      dot_scores(q_tile, dim, rows, workspace.k.data(), dim, cols, dim, s, s_stride);
     }
     if (visibility == TileVisibility::partial || mask.modifies_scores()) {
       for (Index g = 0; g < group; ++g) {
@@ -290,14 +300,12 @@ void decode_split(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
     rescale_factors(workspace.tile_max.data(), rows, m, workspace.shift.data(), alpha);
     exp_rows(s, s_stride, rows, cols, workspace.shift.data(), workspace.sums.data());
     add_sums(alpha, workspace.sums.data(), rows, l);
-    if constexpr (widens_in_registers || std::is_same_v<S, T>) {
+    if constexpr (widens_in_registers || std::is_same_v<SV, T>) {
       weighted_sum(s, s_stride, rows, v_rows, v.row_stride, cols, value_dim,
                    first_block ? nullptr : alpha, acc, value_dim);
     } else {
-      const HeadMatrix<const T> v_block = tile_rows<T, S>(
-          HeadMatrix<const S>(v_rows, cols, value_dim, Eigen::OuterStride<>(v.row_stride)), 0, cols,
-          workspace.v);
-      weighted_sum(s, s_stride, rows, v_block.data(), v_block.outerStride(), cols, value_dim,
+      widen_rows(v_rows, v.row_stride, cols, value_dim, workspace.v.data());
+      weighted_sum(s, s_stride, rows, workspace.v.data(), value_dim, cols, value_dim,
                    first_block ? nullptr : alpha, acc, value_dim);
     }
     first_block = false;

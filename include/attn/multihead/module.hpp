@@ -129,7 +129,8 @@ class MultiHeadAttention {
 
   /// Incremental self-attention for autoregressive decoding: projects the Lnew new tokens
   /// x_new (B, Lnew, E) (one fused GEMM), appends their keys and values to `cache` (created
-  /// as KVCache<S>(B, Hkv, D, D, capacity); S may be half or bfloat16 for a float module),
+  /// as KVCache<S, SV>(B, Hkv, D, D, capacity); S and SV may be half, bfloat16 or quantized
+  /// blocks for a float module, attn/quantized.hpp),
   /// attends with the bottom-right causal mask against everything cached (so the new
   /// tokens see the earlier ones and each other causally), then the output projection.
   /// Returns (B, Lnew, E). Feeding a sequence in any chunks gives the causal forward() of
@@ -138,9 +139,9 @@ class MultiHeadAttention {
   /// nor add_zero_attn. A half or bfloat16 module (T 16-bit, arithmetic in float) takes a
   /// float, half or bfloat16 cache; like forward(), it rounds the projections and the
   /// attention output to T once each.
-  template <class S>
+  template <class S, class SV>
   Tensor<T, 3> forward_incremental(const Tensor<T, 3>& x_new,  // (B, Lnew, E)
-                                   KVCache<S>& cache,
+                                   KVCache<S, SV>& cache,
                                    const AttentionOptions<C>& attention = {}) const;
 
   /// Self-attention over packed sequences: x (T, E) holds B sequences one after another,

@@ -27,11 +27,11 @@ namespace attn {
 // The new tokens' keys enter the cache (rotated on their way in), the queries attend to
 // everything cached with the bottom-right causal mask.
 template <class T>
-template <class S>
+template <class S, class SV>
 Tensor<T, 3> MultiHeadAttention<T>::forward_incremental(
     const Tensor<T, 3>& x_new,  // (B, Lnew, E)
-    KVCache<S>& cache, const AttentionOptions<C>& attention) const {
-  static_assert(std::is_same_v<C, typename KVCache<S>::compute_type>,
+    KVCache<S, SV>& cache, const AttentionOptions<C>& attention) const {
+  static_assert(std::is_same_v<C, typename KVCache<S, SV>::compute_type>,
                 "MultiHeadAttention::forward_incremental: the cache must compute in T's "
                 "arithmetic scalar (a double cache for double; float, half or bfloat16 "
                 "otherwise)");

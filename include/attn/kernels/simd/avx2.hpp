@@ -97,6 +97,28 @@ inline float reduce_add(vec x) {
 }
 
 /// out[0:4) = [sum a, sum b, sum c, sum d].
+/// 8 int8 widened to float (q8_0's quants).
+inline vec load_int8_widened(const std::int8_t* src) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+/// The low nibbles of src[0:8), as float, 0 to 15 (q4_0's).
+inline vec load_low_nibbles_widened(const std::uint8_t* src) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  const __m256i nibbles = _mm256_and_si256(_mm256_cvtepu8_epi32(bytes), _mm256_set1_epi32(15));
+  return _mm256_cvtepi32_ps(nibbles);
+}
+/// The high nibbles of src[0:8) as float, 0 to 15.
+inline vec load_high_nibbles_widened(const std::uint8_t* src) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  const __m256i nibbles = _mm256_srli_epi32(_mm256_cvtepu8_epi32(bytes), 4);
+  return _mm256_cvtepi32_ps(nibbles);
+}
+/// An fp16 value (a block's scale) as float, in one conversion instruction.
+inline float half_to_float(Eigen::half x) {
+  return _cvtsh_ss(x.x);
+}
+
 inline void sum_each4(vec a, vec b, vec c, vec d, float* out) {
   // [a01 a23 b01 b23 | a45 a67 b45 b67], the same for c, d; then [a b c d | a b c d] partials
   const vec abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));

@@ -109,6 +109,30 @@ inline float reduce_add(vec x) {
 }
 
 /// out[0:4) = [sum a, sum b, sum c, sum d]: one transpose-and-add tree for four dot products.
+/// 16 int8 widened to float (q8_0's quants).
+inline vec load_int8_widened(const std::int8_t* src) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm512_maskz_cvtepi32_ps(all_lanes, _mm512_maskz_cvtepi8_epi32(all_lanes, bytes));
+}
+/// The low nibbles of src[0:16), as float, 0 to 15 (q4_0's elements 0..15).
+inline vec load_low_nibbles_widened(const std::uint8_t* src) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const __m512i nibbles =
+      _mm512_and_si512(_mm512_maskz_cvtepu8_epi32(all_lanes, bytes), _mm512_set1_epi32(15));
+  return _mm512_maskz_cvtepi32_ps(all_lanes, nibbles);
+}
+/// The high nibbles of src[0:16), as float, 0 to 15 (q4_0's elements 16..31).
+inline vec load_high_nibbles_widened(const std::uint8_t* src) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const __m512i nibbles =
+      _mm512_maskz_srli_epi32(all_lanes, _mm512_maskz_cvtepu8_epi32(all_lanes, bytes), 4);
+  return _mm512_maskz_cvtepi32_ps(all_lanes, nibbles);
+}
+/// An fp16 value (a block's scale) as float, in one conversion instruction.
+inline float half_to_float(Eigen::half x) {
+  return _cvtsh_ss(x.x);
+}
+
 inline void sum_each4(vec a, vec b, vec c, vec d, float* out) {
   // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d
   const vec ab = _mm512_add_ps(_mm512_maskz_unpacklo_ps(all_lanes, a, b),

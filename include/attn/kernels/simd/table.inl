@@ -12,10 +12,14 @@ struct Table {
   /// one: clang warns about a region that has none).
   static const char* name() { return isa_name(level); }
 
-  /// flash_tile, decode_split and merge_splits for compute scalar T and K/V stored as S.
+  /// flash_tile for compute scalar T and K/V stored as S.
   template <class T, class S>
-  static constexpr ForwardKernels<T, S> forward{
-      level, lanes, widens_in_registers, &flash_tile<T, S>, &decode_split<T, S>, &merge_splits<T>};
+  static constexpr ForwardKernels<T, S> forward{level, lanes, &flash_tile<T, S>};
+
+  /// decode_split and merge_splits for compute scalar T, K stored as SK and V as SV.
+  template <class T, class SK, class SV>
+  static constexpr DecodeKernels<T, SK, SV> decode{level, widens_in_registers,
+                                                   &decode_split<T, SK, SV>, &merge_splits<T>};
 
   /// The key-tile step of the flash backward.
   template <class T>

@@ -1,0 +1,392 @@
+// attn/kernels/simd/decode_products.inl: the tile products of the decode kernel, written once
+// on the vector primitives of the namespace that includes this file (simd/avx2.hpp,
+// simd/avx512.hpp). No include guard and no #include: simd/tile_products.hpp includes it once
+// per vector instruction set (simd/foreach_isa.hpp), after tile_products.inl.
+//
+// Decode keeps its few queries on the rows (s (R, Bk), acc (R, Dv)) and reduces each q . k
+// dot product along D, with k and v widened in registers as they are read: float, half,
+// bfloat16, or q8_0 and q4_0 blocks (attn/quantized.hpp), through one RowReader per format.
+
+// --- Decode: queries along the rows, K and V widened in registers -----------------------
+
+/// Rows this far ahead of the one being read are requested from memory: blocks of K and V
+/// alternate, a 256-byte row crosses a page every 16 rows, and the hardware prefetcher alone
+/// lets the loads wait. The distance was chosen by measurement (docs/performance.md,
+/// "Tuning choices").
+inline constexpr Index prefetch_keys = 32;
+
+template <class S>
+inline void prefetch_element(const S* row, Index offset) {
+  prefetch(reinterpret_cast<std::uintptr_t>(row) + static_cast<std::uintptr_t>(offset) * sizeof(S));
+}
+
+/// Rows of K or V stored as S, widened to float in registers a piece at a time: piece(j, d)
+/// is the unit holding values [column + d, ...) of row j (d a multiple of `step` vectors)
+/// and load(piece, i) its vector i < step, values [column + d + i lanes, ... + lanes). For a
+/// scalar S a piece is one vector (step 1); for a quantized S it is one block of 32 values
+/// (step 32 / lanes: a vector never straddles two blocks), whose fp16 scale is converted once
+/// and multiplies each vector of quants as it is widened. `stride` is in S (blocks).
+template <class S>
+struct RowReader {
+  static constexpr int step = 1;
+  using Piece = const S*;
+  const S* rows;
+  Index stride;
+  Index column = 0;
+
+  Piece piece(Index j, Index d) const { return rows + j * stride + column + d; }
+  static vec load(Piece p, int /*i*/) { return load_widened(p); }
+  void prefetch(Index j, Index d) const { prefetch_element(rows, j * stride + column + d); }
+  RowReader at(Index j, Index e) const { return {rows + j * stride, stride, column + e}; }
+};
+
+/// A quantized block, its scale d as float and -8 d (q4_0's offset, folded into an FMA).
+template <class Block>
+struct ScaledBlock {
+  const Block* block;
+  float scale, offset;
+};
+
+/// The reader of q8_0 and q4_0 rows: `column` is a multiple of 32.
+template <class Block>
+struct BlockRowReader {
+  static constexpr int step = static_cast<int>(quantized_block_values / lanes);
+  using Piece = ScaledBlock<Block>;
+  const Block* rows;
+  Index stride;  // blocks
+  Index column = 0;
+
+  Piece piece(Index j, Index d) const {
+    const Block* block = rows + j * stride + (column + d) / quantized_block_values;
+    const float scale = half_to_float(block->scale);
+    return {block, scale, -8.0f * scale};
+  }
+  static vec load(const ScaledBlock<BlockQ8_0>& p, int i) {
+    return mul(load_int8_widened(p.block->values + i * lanes), set1(p.scale));
+  }
+  static vec load(const ScaledBlock<BlockQ4_0>& p, int i) {
+    constexpr int half = static_cast<int>(quantized_block_values / 2);
+    const int first = i * static_cast<int>(lanes);  // elements [first, first + lanes)
+    // d n - 8 d in one FMA: exact, as d (n - 8) is (11 by 4 significant bits).
+    return fmadd(first < half ? load_low_nibbles_widened(p.block->nibbles + first)
+                              : load_high_nibbles_widened(p.block->nibbles + first - half),
+                 set1(p.scale), set1(p.offset));
+  }
+  void prefetch(Index j, Index d) const {
+    prefetch_element(rows, j * stride + (column + d) / quantized_block_values);
+  }
+  RowReader<Block> at(Index j, Index e) const { return {{rows + j * stride, stride, column + e}}; }
+};
+
+template <>
+struct RowReader<BlockQ8_0> : BlockRowReader<BlockQ8_0> {};
+template <>
+struct RowReader<BlockQ4_0> : BlockRowReader<BlockQ4_0> {};
+
+/// The reader of `rows`, `stride` S apart.
+template <class S>
+RowReader<S> reader_of(const S* rows, Index stride) {
+  if constexpr (is_quantized_v<S>)
+    return {{rows, stride}};
+  else
+    return {rows, stride};
+}
+
+/// s[r, j] = q[r, 0:dim) . k[j, 0:dim) for r < Rb, j < Kb, dim a multiple of lanes: Rb x Kb
+/// dot products in registers. (Nothing else in the loop: a call or a branch to a tail path
+/// makes GCC keep the accumulators on the stack.)
+template <int Rb, int Kb, class S>
+inline void dot_block(const float* q, Index q_stride,  // (Rb, dim)
+                      const RowReader<S>& k,           // (Kb, dim)
+                      Index dim, float* s, Index s_stride) {
+  static_assert(Kb == 1 || Kb == 4, "dot_block: 1 or 4 keys");
+  vec acc[static_cast<std::size_t>(Rb)][static_cast<std::size_t>(Kb)];
+// Unrolled by pragmas: GCC's -O2 keeps a loop over R rolled and acc in memory otherwise.
+#pragma GCC unroll 4
+  for (int r = 0; r < Rb; ++r) {
+#pragma GCC unroll 4
+    for (int j = 0; j < Kb; ++j)
+      acc[r][j] = zero();
+  }
+  constexpr int step = RowReader<S>::step;
+  for (Index d = 0; d < dim; d += step * lanes) {
+    typename RowReader<S>::Piece pieces[static_cast<std::size_t>(Kb)];
+#pragma GCC unroll 4
+    for (int j = 0; j < Kb; ++j) {
+      pieces[j] = k.piece(j, d);
+      k.prefetch(j + prefetch_keys, d);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < step; ++i) {
+      vec key[static_cast<std::size_t>(Kb)];
+#pragma GCC unroll 4
+      for (int j = 0; j < Kb; ++j)
+        key[j] = RowReader<S>::load(pieces[j], i);
+#pragma GCC unroll 4
+      for (int r = 0; r < Rb; ++r) {
+        const vec query = load(q + r * q_stride + d + i * lanes);
+#pragma GCC unroll 4
+        for (int j = 0; j < Kb; ++j)
+          acc[r][j] = fmadd(query, key[j], acc[r][j]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < Rb; ++r) {
+    if constexpr (Kb == 4)
+      sum_each4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s + r * s_stride);
+    else
+      s[r * s_stride] = reduce_add(acc[r][0]);
+  }
+}
+
+template <int Rb, class S>
+inline void dot_rows(const float* q, Index q_stride, const RowReader<S>& k, Index keys, Index dim,
+                     float* s, Index s_stride) {
+  Index j = 0;
+  for (; j + 4 <= keys; j += 4)
+    dot_block<Rb, 4>(q, q_stride, k.at(j, 0), dim, s + j, s_stride);
+  for (; j < keys; ++j)
+    dot_block<Rb, 1>(q, q_stride, k.at(j, 0), dim, s + j, s_stride);
+}
+
+/// The last `width` (< lanes) columns of rows of x, widened to float and zero-padded to whole
+/// vectors, 64 rows at a time: the tails go through one vector path whatever S is, so that
+/// 16-bit data give the same bits as the same values in float.
+template <class S>
+struct WidenedTails {
+  static constexpr Index max_rows = 64;
+  alignas(64) float rows[max_rows][lanes];
+
+  /// body(j0, count) for each chunk of rows [j0, j0 + count) of x, with rows[j] holding row
+  /// j0 + j.
+  template <class Body>
+  void for_each_chunk(const S* x, Index x_stride, Index row_count, Index width, Body body) {
+    for (Index j0 = 0; j0 < row_count; j0 += max_rows) {
+      const Index count = std::min(max_rows, row_count - j0);
+      for (Index j = 0; j < count; ++j) {
+        for (Index c = 0; c < lanes; ++c)
+          rows[j][c] = c < width ? static_cast<float>(x[(j0 + j) * x_stride + c]) : 0.0f;
+      }
+      body(j0, count);
+    }
+  }
+};
+
+/// s[r, j] += q[r, 0:width) . k[j, 0:width) for r < rows, j < keys (width < lanes).
+template <class S>
+inline void dot_tails(const float* q, Index q_stride, Index rows, const S* k, Index k_stride,
+                      Index keys, Index width, float* s, Index s_stride) {
+  WidenedTails<S> tails;
+  tails.for_each_chunk(k, k_stride, keys, width, [&](Index j0, Index count) {
+    for (Index r = 0; r < rows; ++r) {
+      const vec query = load_first(q + r * q_stride, width);
+      for (Index j = 0; j < count; ++j)
+        s[r * s_stride + j0 + j] += reduce_add(mul(query, load(tails.rows[j])));
+    }
+  });
+}
+
+/// dot_rows for the last `rows` (< decode_rows) rows, in one pass over k.
+template <class S, int Rb = static_cast<int>(decode_rows) - 1>
+inline void dot_rest(Index rows, const float* q, Index q_stride, const RowReader<S>& k, Index keys,
+                     Index dim, float* s, Index s_stride) {
+  if constexpr (Rb > 0) {
+    if (rows == Rb)
+      return dot_rows<Rb>(q, q_stride, k, keys, dim, s, s_stride);
+    dot_rest<S, Rb - 1>(rows, q, q_stride, k, keys, dim, s, s_stride);
+  }
+}
+
+/// s = q k^T: s[r, j] = q[r] . k[j] for r < rows, j < keys; k_stride in S (blocks for a
+/// quantized S, whose D is a multiple of 32 and so of lanes).
+template <class S>
+inline void dot_scores(const float* q, Index q_stride, Index rows,  // (rows, D)
+                       const S* k, Index k_stride, Index keys,      // (keys, D)
+                       Index dim, float* s, Index s_stride) {       // (rows, keys)
+  const Index vector_dim = dim / lanes * lanes;
+  const RowReader<S> k_rows = reader_of(k, k_stride);
+  Index r = 0;
+  for (; r + decode_rows <= rows; r += decode_rows) {
+    dot_rows<static_cast<int>(decode_rows)>(q + r * q_stride, q_stride, k_rows, keys, vector_dim,
+                                            s + r * s_stride, s_stride);
+  }
+  dot_rest(rows - r, q + r * q_stride, q_stride, k_rows, keys, vector_dim, s + r * s_stride,
+           s_stride);
+  if constexpr (!is_quantized_v<S>) {
+    if (vector_dim < dim)
+      dot_tails(q + vector_dim, q_stride, rows, k + vector_dim, k_stride, keys, dim - vector_dim, s,
+                s_stride);
+  }
+}
+
+/// out[r] = max_j s[r, j] for r < rows (-inf for an empty row).
+inline void row_maxima(const float* s, Index s_stride, Index rows, Index cols, float* out) {
+  for (Index r = 0; r < rows; ++r) {
+    const float* row = s + r * s_stride;
+    vec m0 = set1(-std::numeric_limits<float>::infinity()), m1 = m0;
+    Index j = 0;
+    for (; j + 2 * lanes <= cols; j += 2 * lanes) {
+      m0 = maximum(load(row + j), m0);
+      m1 = maximum(load(row + j + lanes), m1);
+    }
+    float result = -std::numeric_limits<float>::infinity();
+    alignas(64) float partial[lanes];
+    store(partial, maximum(m0, m1));
+    for (const float x : partial)
+      result = x > result ? x : result;
+    for (; j < cols; ++j)
+      result = row[j] > result ? row[j] : result;
+    out[r] = result;
+  }
+}
+
+/// s[r, j] = exp(s[r, j] - shift[r]) in place and sums[r] = sum_j s[r, j], for r < rows.
+inline void exp_rows(float* s, Index s_stride, Index rows, Index cols,  // (rows, cols)
+                     const float* shift, float* sums) {                 // (rows) each
+  for (Index r = 0; r < rows; ++r) {
+    float* row = s + r * s_stride;
+    const vec shift_vector = set1(shift[r]);
+    vec sum = zero();
+    Index j = 0;
+    for (; j + lanes <= cols; j += lanes) {
+      const vec p = exp_shifted(load(row + j), shift_vector);
+      store(row + j, p);
+      sum = add(sum, p);
+    }
+    float total = reduce_add(sum);
+    if (j < cols) {  // the tail, padded with -inf (weight 0)
+      alignas(64) float tail[lanes];
+      std::fill(tail, tail + lanes, -std::numeric_limits<float>::infinity());
+      std::copy(row + j, row + cols, tail);
+      store(tail, exp_shifted(load(tail), shift_vector));
+      for (Index c = 0; c < cols - j; ++c) {
+        row[j + c] = tail[c];
+        total += tail[c];
+      }
+    }
+    sums[r] = total;
+  }
+}
+
+/// acc[r, 0:C lanes) = alpha[r] acc[r, :] + sum_j p[r, j] v[j, 0:C lanes) for r < Rb (with
+/// `first`, acc is only written): Rb x C vectors of sums in registers, full vectors only.
+template <int Rb, int C, class S>
+inline void weighted_sum_block(const float* p, Index p_stride,  // (Rb, keys)
+                               const RowReader<S>& v,           // (keys, C lanes)
+                               Index keys, const float* alpha, bool first, float* acc,
+                               Index acc_stride) {  // (Rb, C lanes)
+  vec sum[static_cast<std::size_t>(Rb)][static_cast<std::size_t>(C)];
+#pragma GCC unroll 4  // as in dot_block
+  for (int r = 0; r < Rb; ++r) {
+    const vec rescale = set1(first ? 0.0f : alpha[r]);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c)
+      sum[r][c] = first ? zero() : mul(load(acc + r * acc_stride + lanes * c), rescale);
+  }
+  constexpr int step = RowReader<S>::step;
+  static_assert(C % step == 0, "weighted_sum_block: whole blocks of a quantized row");
+  for (Index j = 0; j < keys; ++j) {
+    vec value[static_cast<std::size_t>(C)];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; c += step) {
+      const typename RowReader<S>::Piece piece = v.piece(j, lanes * c);
+      v.prefetch(j + prefetch_keys, lanes * c);
+#pragma GCC unroll 4
+      for (int i = 0; i < step; ++i)
+        value[c + i] = RowReader<S>::load(piece, i);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < Rb; ++r) {
+      const vec weight = set1(p[r * p_stride + j]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c)
+        sum[r][c] = fmadd(weight, value[c], sum[r][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < Rb; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c)
+      store(acc + r * acc_stride + lanes * c, sum[r][c]);
+  }
+}
+
+/// A quantized row takes whole blocks (C a multiple of the reader's step): Dv is a multiple
+/// of 32, so the columns left after blocks of C vectors are too.
+template <int Rb, class S,
+          int C = static_cast<int>(decode_vectors) / RowReader<S>::step* RowReader<S>::step>
+inline void weighted_sum_rows(const float* p, Index p_stride, const RowReader<S>& v, Index keys,
+                              Index vector_dim, const float* alpha, bool first, float* acc,
+                              Index acc_stride) {
+  constexpr int step = RowReader<S>::step;
+  Index e = 0;
+  for (; e + C * lanes <= vector_dim; e += C * lanes)
+    weighted_sum_block<Rb, C>(p, p_stride, v.at(0, e), keys, alpha, first, acc + e, acc_stride);
+  if constexpr (C > step) {
+    if (e < vector_dim) {
+      weighted_sum_rows<Rb, S, C - step>(p, p_stride, v.at(0, e), keys, vector_dim - e, alpha,
+                                         first, acc + e, acc_stride);
+    }
+  }
+}
+
+/// acc[r, 0:width) = alpha[r] acc[r, :] + sum_j p[r, j] v[j, 0:width) (width < lanes).
+template <class S>
+inline void weighted_sum_tails(const float* p, Index p_stride, Index rows, const S* v,
+                               Index v_stride, Index keys, Index width, const float* alpha,
+                               bool first, float* acc, Index acc_stride) {
+  WidenedTails<S> tails;
+  tails.for_each_chunk(v, v_stride, keys, width, [&](Index j0, Index count) {
+    for (Index r = 0; r < rows; ++r) {
+      float* row = acc + r * acc_stride;
+      vec sum = zero();
+      if (j0 > 0 || (!first && alpha == nullptr))  // alpha null: added to as it is
+        sum = load_first(row, width);
+      else if (!first)
+        sum = mul(load_first(row, width), set1(alpha[r]));
+      for (Index j = 0; j < count; ++j)
+        sum = fmadd(set1(p[r * p_stride + j0 + j]), load(tails.rows[j]), sum);
+      store_first(row, sum, width);
+    }
+  });
+}
+
+/// weighted_sum_rows for the last `rows` (< decode_rows) rows, in one pass over v.
+template <class S, int Rb = static_cast<int>(decode_rows) - 1>
+inline void weighted_sum_rest(Index rows, const float* p, Index p_stride, const RowReader<S>& v,
+                              Index keys, Index vector_dim, const float* alpha, bool first,
+                              float* acc, Index acc_stride) {
+  if constexpr (Rb > 0) {
+    if (rows == Rb)
+      return weighted_sum_rows<Rb>(p, p_stride, v, keys, vector_dim, alpha, first, acc, acc_stride);
+    weighted_sum_rest<S, Rb - 1>(rows, p, p_stride, v, keys, vector_dim, alpha, first, acc,
+                                 acc_stride);
+  }
+}
+
+/// acc = diag(alpha) acc + p v, or acc = p v when alpha is null: the rows of p weight the
+/// rows of v; v_stride in S (blocks for a quantized S, whose Dv is a multiple of 32).
+template <class S>
+inline void weighted_sum(const float* p, Index p_stride, Index rows,  // (rows, keys)
+                         const S* v, Index v_stride, Index keys,      // (keys, Dv)
+                         Index value_dim, const float* alpha,         // (rows) or null
+                         float* acc, Index acc_stride) {              // (rows, Dv)
+  const bool first = alpha == nullptr;
+  const Index vector_dim = value_dim / lanes * lanes;
+  const RowReader<S> v_rows = reader_of(v, v_stride);
+  Index r = 0;
+  for (; r + decode_rows <= rows; r += decode_rows) {
+    weighted_sum_rows<static_cast<int>(decode_rows)>(p + r * p_stride, p_stride, v_rows, keys,
+                                                     vector_dim, first ? nullptr : alpha + r, first,
+                                                     acc + r * acc_stride, acc_stride);
+  }
+  weighted_sum_rest(rows - r, p + r * p_stride, p_stride, v_rows, keys, vector_dim,
+                    first ? nullptr : alpha + r, first, acc + r * acc_stride, acc_stride);
+  if constexpr (!is_quantized_v<S>) {
+    if (vector_dim < value_dim) {
+      weighted_sum_tails(p, p_stride, rows, v + vector_dim, v_stride, keys, value_dim - vector_dim,
+                         alpha, first, acc + vector_dim, acc_stride);
+    }
+  }
+}
