@@ -15,6 +15,9 @@
 //   decode                 the decode kernel (kernels/decode.hpp), Hq = Hkv = 8 and GQA 32/8,
 //                          D = 64, 128, K and V float (half:0) or Eigen::half (half:1, the
 //                          kernel called directly)
+//   decode_formats         the decode kernel with K and V stored as float, half, q8_0 or q4_0
+//                          (format 0..3), Lk = 4096 and 32768, D = 128, Hq = Hkv = 8 and GQA
+//                          32/8, one and two threads
 //   decode_before          what one query ran before the decode kernel: naive (automatic's
 //                          choice for Lq * Lk <= 64 * 64 until bench_plan's crossovers) and
 //                          flash
@@ -38,6 +41,7 @@
 
 #include <attn/attention.hpp>
 #include <attn/cpu.hpp>
+#include <attn/quantized.hpp>
 
 #include "common.hpp"
 
@@ -123,8 +127,8 @@ void BM_decode(benchmark::State& state) {
       const attn::KernelPlan plan =
           attn::plan_attention<float>({1, q_heads, kv_heads, q_length, k_length, dim, dim},
                                       attn::Algorithm::decode, 0, 0, false);
-      attn::detail::decode_attention<float, Eigen::half>(plan, qv, kh, vh, out_view, mask, scale,
-                                                         attn::detail::RowValues<float>{});
+      attn::detail::decode_attention<float, Eigen::half, Eigen::half>(
+          plan, qv, kh, vh, out_view, mask, scale, attn::detail::RowValues<float>{});
       return;
     }
     options.algorithm = which == Kernel::flash    ? attn::Algorithm::flash
@@ -154,6 +158,127 @@ void BM_decode(benchmark::State& state) {
   state.counters["FLOPS"] =
       benchmark::Counter(4.0 * static_cast<double>(q_heads * q_length * k_length * dim),
                          benchmark::Counter::kIsIterationInvariantRate);
+  set_threads(1);
+}
+
+enum class Format : std::int64_t { f32 = 0, f16 = 1, q8_0 = 2, q4_0 = 3 };
+
+/// Bytes of K and V one call reads, per stored value.
+double bytes_per_value(Format format) {
+  switch (format) {
+    case Format::f32:
+      return 4.0;
+    case Format::f16:
+      return 2.0;
+    case Format::q8_0:
+      return static_cast<double>(sizeof(attn::BlockQ8_0)) / 32.0;
+    case Format::q4_0:
+      return static_cast<double>(sizeof(attn::BlockQ4_0)) / 32.0;
+  }
+  return 0.0;
+}
+
+/// K and V (B = 1, Hkv, Lk, D) stored in one format: the values as stored, and their views.
+struct StoredKV {
+  std::vector<float> f32;
+  std::vector<Eigen::half> f16;
+  std::vector<attn::BlockQ8_0> q8_0;
+  std::vector<attn::BlockQ4_0> q4_0;
+
+  /// Stores x in `format` and replaces x with the values the format reads back.
+  StoredKV(std::vector<float>& x, Format format) {
+    const auto n = static_cast<Index>(x.size());
+    switch (format) {
+      case Format::f32:
+        f32 = x;
+        break;
+      case Format::f16:
+        for (float& e : x) {
+          f16.emplace_back(e);
+          e = static_cast<float>(f16.back());
+        }
+        break;
+      case Format::q8_0:
+        q8_0.resize(x.size() / 32);
+        attn::quantize_blocks(x.data(), n, q8_0.data());
+        attn::dequantize_blocks(q8_0.data(), n / 32, x.data());
+        break;
+      case Format::q4_0:
+        q4_0.resize(x.size() / 32);
+        attn::quantize_blocks(x.data(), n, q4_0.data());
+        attn::dequantize_blocks(q4_0.data(), n / 32, x.data());
+        break;
+    }
+  }
+};
+
+/// One decode call of Lq = 1 against Lk keys with K and V stored as `format` (arg 6: 0 float,
+/// 1 half, 2 q8_0, 3 q4_0), the decode kernel called directly for each; validated against
+/// naive on the values the format reads back. "KV_bytes" counts the stored bytes.
+void BM_decode_format(benchmark::State& state) {
+  const Index k_length = state.range(0), q_heads = state.range(1), kv_heads = state.range(2),
+              dim = state.range(3);
+  const int threads = static_cast<int>(state.range(4));
+  const auto format = static_cast<Format>(state.range(5));
+  set_threads(threads);
+  const auto elements = [](Index n) { return static_cast<std::size_t>(n); };
+  std::vector<float> q(elements(q_heads * dim)), k(elements(kv_heads * k_length * dim)),
+      v(k.size()), out(q.size()), reference(q.size());
+  attn_bench::fill_normal(q, 1u);
+  attn_bench::fill_normal(k, 2u);
+  attn_bench::fill_normal(v, 3u);
+  const StoredKV ks(k, format), vs(v, format);
+  const auto qv = attn::bhld_view(static_cast<const float*>(q.data()), Index(1), q_heads, 1, dim);
+  attn::AttentionOptions<float> options;
+  options.causal = attn::Causal::bottom_right;
+  const attn::Mask<float> mask("bench_decode", 1, q_heads, 1, k_length, options);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  const attn::KernelPlan plan = attn::plan_attention<float>(
+      {1, q_heads, kv_heads, 1, k_length, dim, dim}, attn::Algorithm::decode, 0, 0, false);
+  const auto out_view = attn::bhld_view(out.data(), Index(1), q_heads, 1, dim);
+  const auto run = [&] {
+    const auto call = [&](const auto& kk, const auto& vv, Index units) {
+      using S = typename std::decay_t<decltype(kk)>::value_type;
+      const auto view = [&](const auto& x) {
+        return attn::bhld_view(static_cast<const S*>(x.data()), Index(1), kv_heads, k_length,
+                               units);
+      };
+      attn::detail::decode_attention<float, S, S>(plan, qv, view(kk), view(vv), out_view, mask,
+                                                  scale, attn::detail::RowValues<float>{});
+    };
+    switch (format) {
+      case Format::f32:
+        return call(ks.f32, vs.f32, dim);
+      case Format::f16:
+        return call(ks.f16, vs.f16, dim);
+      case Format::q8_0:
+        return call(ks.q8_0, vs.q8_0, dim / 32);
+      case Format::q4_0:
+        return call(ks.q4_0, vs.q4_0, dim / 32);
+    }
+  };
+  options.algorithm = attn::Algorithm::naive;
+  attn::scaled_dot_product_attention_into<float>(
+      qv, attn::bhld_view(static_cast<const float*>(k.data()), Index(1), kv_heads, k_length, dim),
+      attn::bhld_view(static_cast<const float*>(v.data()), Index(1), kv_heads, k_length, dim),
+      attn::bhld_view(reference.data(), Index(1), q_heads, 1, dim), options);
+  run();
+  const float worst = attn_bench::max_abs_diff(out.data(), reference.data(), out.size());
+  if (!(worst < 1e-4f)) {
+    state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
+    return;
+  }
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  const double kv_bytes =
+      2.0 * static_cast<double>(kv_heads * k_length * dim) * bytes_per_value(format);
+  state.counters["KV_bytes"] = benchmark::Counter(
+      kv_bytes, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1024);
+  state.counters["FLOPS"] = benchmark::Counter(4.0 * static_cast<double>(q_heads * k_length * dim),
+                                               benchmark::Counter::kIsIterationInvariantRate);
   set_threads(1);
 }
 
@@ -195,6 +320,17 @@ void register_all() {
         ->UseRealTime()
         ->Unit(benchmark::kMicrosecond);
   }
+  // Every K/V format of the cache (float, half, q8_0, q4_0), Lq = 1, D = 128.
+  benchmark::RegisterBenchmark("decode_formats", BM_decode_format)
+      ->ArgNames({"Lk", "Hq", "Hkv", "D", "threads", "format"})
+      ->ArgsProduct({tiny ? std::vector<std::int64_t>{512} : std::vector<std::int64_t>{4096, 32768},
+                     {8, 32},
+                     {8},
+                     {128},
+                     {1, 2},
+                     {0, 1, 2, 3}})
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
   // What one query used before: naive for Lk <= 4096 (automatic's tiny rule), else flash.
   for (const Kernel before : {Kernel::naive, Kernel::flash}) {
     const std::vector<std::int64_t> before_lengths =

@@ -308,6 +308,60 @@ def table_decode_isa():
     return lines
 
 
+FORMATS = ["float", "half", "q8_0", "q4_0"]
+GGML_TYPES = {"half": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
+
+
+def decode_formats_data():
+    """(probes {threads: bytes/s}, attn {(Lk, Hq, threads, format): KV bytes/s},
+    ggml {(Lk, Hq, threads, format): KV bytes/s})."""
+    _, b = bench("decode_formats.json")
+    probes = {t: b[f"bandwidth/threads:{t}"]["bytes"] for t in (1, 2)}
+    attn = {}
+    for name, e in b.items():
+        m = re.match(r"decode_formats/Lk:(\d+)/Hq:(\d+)/Hkv:8/D:128/threads:(\d)/format:(\d)$",
+                     name)
+        if m:
+            attn[(int(m.group(1)), int(m.group(2)), int(m.group(3)),
+                  FORMATS[int(m.group(4))])] = e["KV_bytes"]
+    _, g = bench("ggml_decode.json")
+    ggml = {}
+    for name, e in g.items():
+        m = re.match(r"ggml_flash_attn_ext/type:(\w+)/Lk:(\d+)/Hq:(\d+)/Hkv:8/threads:(\d)$", name)
+        if m:
+            fmt = {v: k for k, v in GGML_TYPES.items()}[m.group(1)]
+            ggml[(int(m.group(2)), int(m.group(3)), int(m.group(4)), fmt)] = e["KV_bytes"]
+    return probes, attn, ggml
+
+
+def table_decode_formats():
+    probes, attn, ggml = decode_formats_data()
+    lines = source("decode_formats.json", "ggml_decode.json",
+                   probes="K/V bytes a call must read per second (stored bytes: 4, 2, 1.0625 and "
+                   "0.5625 per value), as shares of the streaming probe `bandwidth` of the same "
+                   f"run ({probes[1] / 2**30:.1f} GiB/s one thread, {probes[2] / 2**30:.1f} two); "
+                   "against ggml, the speed ratio (its time over attn's) for the same format")
+    lines += ["| D = 128, Lq = 1 | threads | float | half | q8_0 | q4_0 | q8_0 over half | "
+              "vs ggml: half | q8_0 | q4_0 |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    stored = {"float": 4.0, "half": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+    for lk in sorted({k[0] for k in attn}):
+        for hq in (8, 32):
+            for t in (1, 2):
+                if (lk, hq, t, "float") not in attn:
+                    continue
+                heads = "Hq = Hkv = 8" if hq == 8 else "GQA 32/8"
+                cells = [share(attn[(lk, hq, t, f)], probes[t]) for f in FORMATS]
+                versus = [f"{attn[(lk, hq, t, f)] / ggml[(lk, hq, t, f)]:.1f}x"
+                          if (lk, hq, t, f) in ggml else "" for f in ("half", "q8_0", "q4_0")]
+                # the time of a call with a half cache over one with a q8_0 cache
+                speedup = (stored["half"] / attn[(lk, hq, t, "half")]) / (
+                    stored["q8_0"] / attn[(lk, hq, t, "q8_0")])
+                lines.append(f"| Lk = {lk}, {heads} | {t} | " + " | ".join(cells)
+                             + f" | {speedup:.2f}x | " + " | ".join(versus) + " |")
+    return lines
+
+
 MULTIHEAD_ROWS = [
     ("mha_forward", "`MultiHeadAttention::forward`"),
     ("qkv_gemm", "QKV projection (4096 x 768)(768 x 2304), attn's GEMM"),
@@ -378,6 +432,7 @@ TABLES = {
     "flash-isa": table_flash_isa,
     "multihead": table_multihead,
     "decode-isa": table_decode_isa,
+    "decode-formats": table_decode_formats,
     "plan-sweep-readme": table_plan_sweep_readme,
     "plan-sweep-summary": table_plan_sweep_summary,
     "plan-sweep-grid": table_plan_sweep_grid,
