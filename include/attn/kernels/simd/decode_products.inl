@@ -69,7 +69,7 @@ struct BlockRowReader {
     const int first = i * static_cast<int>(lanes);  // elements [first, first + lanes)
     // d n - 8 d in one FMA: exact, as d (n - 8) is (11 by 4 significant bits).
     return fmadd(first < half ? load_low_nibbles_widened(p.block->nibbles + first)
-                              : load_high_nibbles_widened(p.block->nibbles + first - half),
+                              : load_high_nibbles_widened(p.block->nibbles + (first - half)),
                  set1(p.scale), set1(p.offset));
   }
   void prefetch(Index j, Index d) const {
