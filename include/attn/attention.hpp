@@ -119,6 +119,23 @@ void check_optional_outputs(const char* function,
   }
 }
 
+/// Whether the call runs on packed views: check_packing of q, out and logsumexp (the query
+/// side) and k, v (the key side).
+template <class TQ, class TK, class TV, class TO>
+bool check_attention_packing(const char* function,
+                             const HeadsView<const TQ>& q,  // (B, Hq, Lq, D)
+                             const HeadsView<const TK>& k,  // (B, Hkv, Lk, D)
+                             const HeadsView<const TV>& v,  // (B, Hkv, Lk, Dv)
+                             const AttentionOutputViews<TO>& outputs) {
+  const PackedRows unpacked_lse{"logsumexp", q.row_offsets, q.batch, q.length};
+  return check_packing(
+      function,
+      {packed_rows("q", q), packed_rows("out", outputs.out),
+       outputs.logsumexp ? packed_rows("logsumexp", rows_as_heads(*outputs.logsumexp))
+                         : unpacked_lse},
+      {packed_rows("k", k), packed_rows("v", v)});
+}
+
 /// The implementation of scaled_dot_product_attention_into for q stored as TQ, k and v as
 /// TKV and out as TO; the arithmetic runs in T = compute_scalar_t<TQ>. 16-bit operands are
 /// widened as the kernels read them (flash: tile by tile; naive and chunked: once per head).
@@ -141,13 +158,7 @@ void attention_into(const char* function,
                 "(float with half or bfloat16; double only with double)");
   const HeadsView<TO>& out = outputs.out;
   // Packing first: views on other sequences also have other lengths, and that is the cause.
-  const PackedRows unpacked_lse{"logsumexp", q.row_offsets, q.batch, q.length};
-  const bool packed =
-      check_packing(function,
-                    {packed_rows("q", q), packed_rows("out", out),
-                     outputs.logsumexp ? packed_rows("logsumexp", rows_as_heads(*outputs.logsumexp))
-                                       : unpacked_lse},
-                    {packed_rows("k", k), packed_rows("v", v)});
+  const bool packed = check_attention_packing(function, q, k, v, outputs);
   check_attention_shapes(function, q, k, v);
   check_output_shape(function, q, v.dim, out);
   check_output_aliasing(function, q, k, v, out);

@@ -263,14 +263,7 @@ class KVCache {
     const HeadsView<const S> keys = keys_view();
     const HeadsView<const SV> values = values_view();
     // Packing first, as in scaled_dot_product_attention: the cache's rows are not packed.
-    const detail::PackedRows unpacked_lse{"logsumexp", q.row_offsets, q.batch, q.length};
-    detail::check_packing(
-        function,
-        {detail::packed_rows("q", q), detail::packed_rows("out", out),
-         outputs.logsumexp
-             ? detail::packed_rows("logsumexp", detail::rows_as_heads(*outputs.logsumexp))
-             : unpacked_lse},
-        {detail::packed_rows("k", keys), detail::packed_rows("v", values)});
+    detail::check_attention_packing(function, q, keys, values, outputs);
     detail::check_attention_shapes(function, q, shape_of(keys, dim_), shape_of(values, value_dim_),
                                    "k (cached)", "v (cached)");
     detail::check_output_shape(function, q, value_dim_, out);
