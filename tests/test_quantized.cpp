@@ -540,6 +540,18 @@ TEST_CASE(
                                "must be unset"));
   REQUIRE(std::all_of(out.data.begin(), out.data.end(), [](float x) { return x == 7.0f; }));
 
+  // A rotating cache checks the outputs against the caller's q, not its rotated copy.
+  {
+    Q8 rotating(1, 2, 64, 64, 4, true, attn::KVRotation::hadamard);
+    rotating.append(k.cview(), v.cview());
+    Heads<float> q_and_lse(1, 4, 1, 64), out_rotated(1, 4, 1, 64);
+    const attn::RowsView<float> lse_on_q = attn::bhl_view(q_and_lse.data.data(), 1, 4, 1);
+    REQUIRE_THROWS_WITH(
+        rotating.attend_into(q_and_lse.cview(),
+                             attn::AttentionOutputViews<float>{out_rotated.view(), lse_on_q}),
+        Contains("KVCache::attend: logsumexp overlaps q"));
+  }
+
   // Packed queries against a cache (rotating or not): refused before any rotation.
   for (const attn::KVRotation rotation : {attn::KVRotation::none, attn::KVRotation::hadamard}) {
     Q8 two(2, 2, 64, 64, 4, true, rotation);

@@ -297,7 +297,9 @@ class KVCache {
     if (rotation_ == KVRotation::none)
       return attend_stored(q, outputs, o);
     // The queries rotated like the keys; the output, rotated like the values, turned back.
+    // The outputs are checked against the caller's q here: the kernels see only a copy.
     detail::check_output_aliasing(function, q, keys, values, out);
+    detail::check_optional_outputs(function, q, keys, values, outputs);
     std::vector<C> rotated(static_cast<std::size_t>(q.batch * q.heads * q.length * dim_));
     const HeadsView<C> q_rotated = bhld_view(rotated.data(), q.batch, q.heads, q.length, dim_);
     for (Index b = 0; b < q.batch; ++b) {
