@@ -18,6 +18,10 @@
 //   decode_formats         the decode kernel with K and V stored as float, half, q8_0 or q4_0
 //                          (format 0..3), Lk = 4096 and 32768, D = 128, Hq = Hkv = 8 and GQA
 //                          32/8, one and two threads
+//   fma_peak               the FMA probe (common.hpp), for prefill_formats
+//   prefill_formats        Lq = 1 .. 256 new queries against a KVCache of 4096 tokens of each
+//                          format through attend_into, decode against flash: the quantized
+//                          crossover of attn/plan.hpp (quantized_decode_max_queries)
 //   decode_before          what one query ran before the decode kernel: naive (automatic's
 //                          choice for Lq * Lk <= 64 * 64 until bench_plan's crossovers) and
 //                          flash
@@ -41,6 +45,7 @@
 
 #include <attn/attention.hpp>
 #include <attn/cpu.hpp>
+#include <attn/kv_cache.hpp>
 #include <attn/quantized.hpp>
 
 #include "common.hpp"
@@ -282,6 +287,71 @@ void BM_decode_format(benchmark::State& state) {
   set_threads(1);
 }
 
+/// Lq new queries (the cache's last Lq tokens) against a KVCache<S> of Lk tokens through the
+/// public attend_into, the kernel forced (arg 5: 0 decode, 1 flash): where a quantized cache
+/// should stop decoding and dequantize tiles for flash. Validated against naive on the values
+/// the format reads back.
+template <class S>
+void prefill_from_cache(benchmark::State& state, std::vector<float>& k, std::vector<float>& v,
+                        Format format) {
+  const Index q_length = state.range(0), k_length = state.range(1), q_heads = state.range(2),
+              kv_heads = state.range(3), dim = 128;
+  const bool flash = state.range(5) == 1;
+  attn::KVCache<S> cache(1, kv_heads, dim, dim, k_length);
+  cache.append(
+      attn::bhld_view(static_cast<const float*>(k.data()), Index(1), kv_heads, k_length, dim),
+      attn::bhld_view(static_cast<const float*>(v.data()), Index(1), kv_heads, k_length, dim));
+  const StoredKV read_k(k, format), read_v(v, format);  // k, v: the values as read back
+  std::vector<float> q(static_cast<std::size_t>(q_heads * q_length * dim));
+  attn_bench::fill_normal(q, 1u);
+  std::vector<float> out(q.size()), reference(q.size());
+  const auto qv =
+      attn::bhld_view(static_cast<const float*>(q.data()), Index(1), q_heads, q_length, dim);
+  attn::AttentionOptions<float> options;
+  options.algorithm = flash ? attn::Algorithm::flash : attn::Algorithm::decode;
+  const auto out_view = attn::bhld_view(out.data(), Index(1), q_heads, q_length, dim);
+  attn::AttentionOptions<float> naive;
+  naive.algorithm = attn::Algorithm::naive;
+  naive.causal = attn::Causal::bottom_right;
+  attn::scaled_dot_product_attention_into<float>(
+      qv, attn::bhld_view(static_cast<const float*>(k.data()), Index(1), kv_heads, k_length, dim),
+      attn::bhld_view(static_cast<const float*>(v.data()), Index(1), kv_heads, k_length, dim),
+      attn::bhld_view(reference.data(), Index(1), q_heads, q_length, dim), naive);
+  cache.attend_into(qv, out_view, options);
+  const float worst = attn_bench::max_abs_diff(out.data(), reference.data(), out.size());
+  if (!(worst < 1e-4f)) {
+    state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
+    return;
+  }
+  for (auto _ : state) {
+    cache.attend_into(qv, out_view, options);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] =
+      benchmark::Counter(4.0 * static_cast<double>(q_heads * q_length * k_length * dim),
+                         benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_prefill_format(benchmark::State& state) {
+  const Index k_length = state.range(1), kv_heads = state.range(3);
+  const auto format = static_cast<Format>(state.range(4));
+  set_threads(1);
+  std::vector<float> k(static_cast<std::size_t>(kv_heads * k_length * 128)), v(k.size());
+  attn_bench::fill_normal(k, 2u);
+  attn_bench::fill_normal(v, 3u);
+  switch (format) {
+    case Format::f32:
+      return prefill_from_cache<float>(state, k, v, format);
+    case Format::f16:
+      return prefill_from_cache<Eigen::half>(state, k, v, format);
+    case Format::q8_0:
+      return prefill_from_cache<attn::BlockQ8_0>(state, k, v, format);
+    case Format::q4_0:
+      return prefill_from_cache<attn::BlockQ4_0>(state, k, v, format);
+  }
+}
+
 /// BM_decode with the products of `isa` forced.
 void BM_decode_isa(benchmark::State& state, attn::Isa isa) {
   const attn::ScopedIsa forced(isa);
@@ -329,6 +399,19 @@ void register_all() {
                      {128},
                      {1, 2},
                      {0, 1, 2, 3}})
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
+  attn_bench::register_fma_peak();  // the arithmetic ceiling prefill_formats is quoted against
+  // Chunks of prompt against a cache of every format: decode against flash, by Lq.
+  benchmark::RegisterBenchmark("prefill_formats", BM_prefill_format)
+      ->ArgNames({"Lq", "Lk", "Hq", "Hkv", "format", "flash"})
+      ->ArgsProduct({tiny ? std::vector<std::int64_t>{2, 16}
+                          : std::vector<std::int64_t>{1, 4, 8, 16, 32, 64, 256},
+                     {tiny ? 512 : 4096},
+                     {8, 32},
+                     {8},
+                     {0, 1, 2, 3},
+                     {0, 1}})
       ->UseRealTime()
       ->Unit(benchmark::kMicrosecond);
   // What one query used before: naive for Lk <= 4096 (automatic's tiny rule), else flash.

@@ -362,6 +362,28 @@ def table_decode_formats():
     return lines
 
 
+def table_prefill_formats():
+    _, b = bench("prefill_formats.json")
+    probe = rate(b["fma_peak/threads:1"])
+    lines = source("prefill_formats.json", probes=f"GFLOP/s (4 Lq Lk D Hq per call), the FMA "
+                   f"probe `fma_peak` of the same run at {probe / 1e9:.0f} GFLOP/s, one thread")
+    lines += ["| Lk = 4096, D = 128, one thread | Lq | float: decode / flash | half | q8_0 | "
+              "q4_0 | q8_0 flash, share of the probe | q8_0 flash over float flash |",
+              "|---|---|---|---|---|---|---|---|"]
+    lqs = sorted({int(re.match(r"prefill_formats/Lq:(\d+)/", n).group(1))
+                  for n in b if n.startswith("prefill_formats/")})
+    for hq in (8, 32):
+        for lq in lqs:
+            def speed(f, flash):
+                return rate(b[f"prefill_formats/Lq:{lq}/Lk:4096/Hq:{hq}/Hkv:8/format:{f}/"
+                              f"flash:{flash}"])
+            cells = [f"{gflops(speed(f, 0))} / {gflops(speed(f, 1))}" for f in range(4)]
+            heads = "Hq = Hkv = 8" if hq == 8 else "GQA 32/8"
+            lines.append(f"| {heads} | {lq} | " + " | ".join(cells)
+                         + f" | {share(speed(2, 1), probe)} | {speed(2, 1) / speed(0, 1):.2f}x |")
+    return lines
+
+
 MULTIHEAD_ROWS = [
     ("mha_forward", "`MultiHeadAttention::forward`"),
     ("qkv_gemm", "QKV projection (4096 x 768)(768 x 2304), attn's GEMM"),
@@ -433,6 +455,7 @@ TABLES = {
     "multihead": table_multihead,
     "decode-isa": table_decode_isa,
     "decode-formats": table_decode_formats,
+    "prefill-formats": table_prefill_formats,
     "plan-sweep-readme": table_plan_sweep_readme,
     "plan-sweep-summary": table_plan_sweep_summary,
     "plan-sweep-grid": table_plan_sweep_grid,

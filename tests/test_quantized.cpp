@@ -86,18 +86,23 @@ Heads<float> read_back(const Heads<float>& x) {
   return out;
 }
 
-/// decode_attention with K stored as SK and V as SV (float K/V stored as they are).
+/// The kernel `algorithm` (decode with `split_keys` and `key_block`, or flash with tiles of
+/// split_keys queries and key_block keys) with K stored as SK and V as SV (float K/V stored
+/// as they are).
 template <class SK, class SV>
-std::vector<float> decode_stored(const Problem& p, const Heads<float>& q, const Heads<float>& k,
-                                 const Heads<float>& v, Index split_keys, Index key_block,
-                                 std::vector<float>* lse = nullptr) {
+std::vector<float> run_stored(attn::Algorithm algorithm, const Problem& p, const Heads<float>& q,
+                              const Heads<float>& k, const Heads<float>& v, Index split_keys,
+                              Index key_block, std::vector<float>* lse = nullptr) {
   const attn_test::AttnOptions<float> o(p);
-  const attn::Mask<float> mask("decode", p.batch, p.q_heads, p.q_length, p.k_length, o.options);
+  const attn::Mask<float> mask("stored", p.batch, p.q_heads, p.q_length, p.k_length, o.options);
+  const bool flash = algorithm == attn::Algorithm::flash;
   attn::KernelPlan plan = attn::plan_attention<float>(
-      {p.batch, p.q_heads, p.kv_heads, p.q_length, p.k_length, p.dim, p.value_dim},
-      attn::Algorithm::decode, 0, 0, false);
-  plan.split_keys = split_keys;
-  plan.key_block = key_block;
+      {p.batch, p.q_heads, p.kv_heads, p.q_length, p.k_length, p.dim, p.value_dim}, algorithm,
+      flash ? split_keys : 0, flash ? key_block : 0, false);
+  if (!flash) {
+    plan.split_keys = split_keys;
+    plan.key_block = key_block;
+  }
   Heads<float> out(p.batch, p.q_heads, p.q_length, p.value_dim);
   std::vector<float> l(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
   const auto stored = [&](const Heads<float>& x, auto format) {
@@ -109,15 +114,29 @@ std::vector<float> decode_stored(const Problem& p, const Heads<float>& q, const 
   };
   const auto ks = stored(k, SK{});
   const auto vs = stored(v, SV{});
-  attn::detail::decode_attention<float, SK, SV>(
-      plan, q.cview(),
-      blocks_view(ks, p.batch, p.kv_heads, p.k_length, p.dim / attn::values_per_unit_v<SK>),
-      blocks_view(vs, p.batch, p.kv_heads, p.k_length, p.value_dim / attn::values_per_unit_v<SV>),
-      out.view(), mask, static_cast<float>(*p.scale),
-      attn::detail::padded_rows(l.data(), p.q_heads, p.q_length));
+  const auto k_view =
+      blocks_view(ks, p.batch, p.kv_heads, p.k_length, p.dim / attn::values_per_unit_v<SK>);
+  const auto v_view =
+      blocks_view(vs, p.batch, p.kv_heads, p.k_length, p.value_dim / attn::values_per_unit_v<SV>);
+  const auto lse_rows = attn::detail::padded_rows(l.data(), p.q_heads, p.q_length);
+  if (flash) {
+    attn::detail::run_flash(plan, q.cview(), k_view, v_view, out.view(), mask,
+                            static_cast<float>(*p.scale), lse_rows);
+  } else {
+    attn::detail::decode_attention<float, SK, SV>(plan, q.cview(), k_view, v_view, out.view(), mask,
+                                                  static_cast<float>(*p.scale), lse_rows);
+  }
   if (lse != nullptr)
     *lse = l;
   return out.data;
+}
+
+/// run_stored with the decode kernel.
+template <class SK, class SV>
+std::vector<float> decode_stored(const Problem& p, const Heads<float>& q, const Heads<float>& k,
+                                 const Heads<float>& v, Index split_keys, Index key_block,
+                                 std::vector<float>* lse = nullptr) {
+  return run_stored<SK, SV>(attn::Algorithm::decode, p, q, k, v, split_keys, key_block, lse);
 }
 
 /// Largest |a - b| over entries, NaN where one side is NaN and the other not; and largest
@@ -166,6 +185,17 @@ void blocks_read_like_their_values(const char* formats) {
             // only the order of some products may differ (the generic path widens first).
             REQUIRE(out_error <= 4 * std::numeric_limits<float>::epsilon() * out_size);
             REQUIRE(lse_error <= 4 * std::numeric_limits<float>::epsilon() * lse_size);
+          }
+          // Flash dequantizes a key tile into its workspace, then runs as on float K/V:
+          // bitwise the result on the dequantized values, for default and small tiles.
+          for (const auto& [rows, keys] : {std::pair<Index, Index>{0, 0}, {2, 32}}) {
+            std::vector<float> lse_blocks, lse_values;
+            CAPTURE(rows, keys);
+            REQUIRE(
+                run_stored<SK, SV>(attn::Algorithm::flash, p, q, k, v, rows, keys, &lse_blocks) ==
+                run_stored<float, float>(attn::Algorithm::flash, p, q, k_values, v_values, rows,
+                                         keys, &lse_values));
+            REQUIRE(lse_blocks == lse_values);
           }
         }
       }
@@ -248,8 +278,10 @@ TEST_CASE("quantize_blocks and dequantize_blocks refuse partial blocks and negat
                       Contains("dequantize_blocks: the number of blocks is -1"));
 }
 
-TEST_CASE("decode over q8_0 and q4_0 blocks equals decode over their values, every mask kind",
-          "[quantized][isa]") {
+TEST_CASE(
+    "decode and flash over q8_0 and q4_0 blocks equal the same kernel over their values, every "
+    "mask kind",
+    "[quantized][isa]") {
   blocks_read_like_their_values<BlockQ8_0, BlockQ8_0>("K q8_0, V q8_0");
   blocks_read_like_their_values<BlockQ8_0, BlockQ4_0>("K q8_0, V q4_0");
   blocks_read_like_their_values<BlockQ4_0, BlockQ8_0>("K q4_0, V q8_0");
@@ -357,27 +389,35 @@ TEST_CASE("a quantized KVCache attends like a float cache holding the values it 
   options.softcap = 20.0f;
   const std::vector<float> slopes{0.5f, 0.25f, 0.125f, 0.0625f, 0.03f, 0.02f, 0.01f, 0.0f};
   options.alibi_slopes = slopes;
-  // Lq = 1 (a token) and Lq = 90 (a chunk of prompt), through the decode kernel both times
+  // Lq = 1 (a token) and Lq = 90 (a chunk of prompt), through each kernel that reads blocks
+  // (automatic: decode for the token, flash for the chunk), against the same kernel over the
+  // float cache of the dequantized values.
   for (const Index q_length : {Index(1), Index(90)}) {
     const auto q = attn_test::random_heads<float>(batch, q_heads, q_length, dim, rng);
-    Heads<float> out(batch, q_heads, q_length, value_dim), expected = out;
-    std::vector<float> lse(static_cast<std::size_t>(batch * q_heads * q_length)),
-        lse_expected = lse;
-    attn::AttentionOptions<float> decode = options;
-    decode.algorithm = attn::Algorithm::decode;
-    cache.attend_into(q.cview(),
-                      attn::AttentionOutputViews<float>{
-                          out.view(), attn::bhl_view(lse.data(), batch, q_heads, q_length)},
-                      options);
-    values.attend_into(
-        q.cview(),
-        attn::AttentionOutputViews<float>{
-            expected.view(), attn::bhl_view(lse_expected.data(), batch, q_heads, q_length)},
-        decode);
-    const auto [error, size] = difference(out.data, expected.data);
-    CAPTURE(q_length, error, size);
-    REQUIRE(error <= 4 * std::numeric_limits<float>::epsilon() * size);
-    REQUIRE(difference(lse, lse_expected).first <= 1e-5);
+    for (const attn::Algorithm algorithm :
+         {attn::Algorithm::automatic, attn::Algorithm::decode, attn::Algorithm::flash}) {
+      Heads<float> out(batch, q_heads, q_length, value_dim), expected = out;
+      std::vector<float> lse(static_cast<std::size_t>(batch * q_heads * q_length)),
+          lse_expected = lse;
+      attn::AttentionOptions<float> chosen = options, same = options;
+      chosen.algorithm = algorithm;
+      same.algorithm = algorithm != attn::Algorithm::automatic ? algorithm
+                       : q_length == 1                         ? attn::Algorithm::decode
+                                                               : attn::Algorithm::flash;
+      cache.attend_into(q.cview(),
+                        attn::AttentionOutputViews<float>{
+                            out.view(), attn::bhl_view(lse.data(), batch, q_heads, q_length)},
+                        chosen);
+      values.attend_into(
+          q.cview(),
+          attn::AttentionOutputViews<float>{
+              expected.view(), attn::bhl_view(lse_expected.data(), batch, q_heads, q_length)},
+          same);
+      const auto [error, size] = difference(out.data, expected.data);
+      CAPTURE(q_length, attn::algorithm_name(algorithm), error, size);
+      REQUIRE(error <= 4 * std::numeric_limits<float>::epsilon() * size);
+      REQUIRE(difference(lse, lse_expected).first <= 1e-5);
+    }
   }
 }
 
@@ -523,11 +563,15 @@ TEST_CASE(
       cache.attend_into(q.cview(),
                         attn::AttentionOutputViews<float>{out.view(), {}, weights.view()}),
       Contains("KVCache::attend: weights are not available with a quantized cache"));
-  attn::AttentionOptions<float> flash;
-  flash.algorithm = attn::Algorithm::flash;
-  REQUIRE_THROWS_WITH(cache.attend_into(q.cview(), out.view(), flash),
-                      Contains("KVCache::attend: options.algorithm is flash: a quantized cache "
-                               "runs the decode kernel only"));
+  for (const attn::Algorithm other : {attn::Algorithm::naive, attn::Algorithm::chunked}) {
+    attn::AttentionOptions<float> refused;
+    refused.algorithm = other;
+    REQUIRE_THROWS_WITH(cache.attend_into(q.cview(), out.view(), refused),
+                        "KVCache::attend: options.algorithm is " +
+                            std::string(attn::algorithm_name(other)) +
+                            ": a quantized cache runs the decode or the flash kernel "
+                            "(automatic, decode or flash)");
+  }
   const auto q_wide = attn_test::random_heads<float>(1, 4, 1, 32, rng);
   REQUIRE_THROWS_WITH(
       cache.attend_into(q_wide.cview(), out.view()),

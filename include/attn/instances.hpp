@@ -33,6 +33,10 @@
   X(NS::flash_tile<float, float>)                              \
   X(NS::flash_tile<float, Eigen::half>)                        \
   X(NS::flash_tile<float, Eigen::bfloat16>)                    \
+  X(NS::flash_tile<float, attn::BlockQ8_0, attn::BlockQ8_0>)   \
+  X(NS::flash_tile<float, attn::BlockQ8_0, attn::BlockQ4_0>)   \
+  X(NS::flash_tile<float, attn::BlockQ4_0, attn::BlockQ8_0>)   \
+  X(NS::flash_tile<float, attn::BlockQ4_0, attn::BlockQ4_0>)   \
   X(NS::decode_split<float, float, float>)                     \
   X(NS::decode_split<float, Eigen::half, Eigen::half>)         \
   X(NS::decode_split<float, Eigen::bfloat16, Eigen::bfloat16>) \

@@ -8,9 +8,10 @@
 // Quantized formats (attn/quantized.hpp, docs/quantized-cache.md): K and V each float, 16-bit
 // or q8_0 / q4_0 blocks, chosen independently (KVCache<BlockQ8_0, BlockQ4_0>, say); D (or
 // Dv) of a quantized side must be a multiple of 32. Rows are quantized as they are appended,
-// by ggml's reference rounding, and attend() reads the blocks in the decode kernel whatever Lq
-// is (no float copy of the cache is made). A block holding NaN or infinity reads back as 32
-// NaNs. Without a quantized side, S and SV must be the same.
+// by ggml's reference rounding, and attend() reads the blocks in the decode kernel for a few
+// queries (dequantized in registers) and in the flash kernel for a prompt (a key tile at a
+// time into its workspace): no float copy of the cache is made. A block holding NaN or
+// infinity reads back as 32 NaNs. Without a quantized side, S and SV must be the same.
 //
 // Rotation (KVRotation::hadamard): every appended key and value row is rotated by the
 // orthonormal Hadamard matrix H of attn/hadamard.hpp before it is stored (after RoPE), the
@@ -288,7 +289,7 @@ class KVCache {
     // One call: the mask aligns each sequence's diagonal to its own length (query i of b
     // sees j <= lengths[b] - Lq + i), so ragged sequences run in parallel together. The
     // kernels of scaled_dot_product_attention (decode for a few queries, flash for a prompt;
-    // a 16-bit cache widened as it is read; a quantized one always decode), their messages
+    // a 16-bit cache widened as it is read, a quantized one dequantized), their messages
     // naming KVCache::attend.
     AttentionOptions<C> o = options;
     o.causal = Causal::bottom_right;
@@ -363,26 +364,29 @@ class KVCache {
       if (outputs.weights) {
         detail::throw_invalid_argument(attend_name,
                                        "weights are not available with a quantized cache (its "
-                                       "kernel, decode, never forms them)");
+                                       "kernels, decode and flash, never form them)");
       }
       detail::check_optional_outputs(attend_name, q, keys, values, outputs);
-      if (options.algorithm != Algorithm::automatic && options.algorithm != Algorithm::decode) {
+      if (options.algorithm != Algorithm::automatic && options.algorithm != Algorithm::decode &&
+          options.algorithm != Algorithm::flash) {
         detail::throw_invalid_argument(
             attend_name, std::string("options.algorithm is ") + algorithm_name(options.algorithm) +
-                             ": a quantized cache runs the decode kernel only (automatic or "
-                             "decode)");
+                             ": a quantized cache runs the decode or the flash kernel (automatic, "
+                             "decode or flash)");
       }
       const C scale = detail::resolve_scale(attend_name, options.scale, q.dim);
-      AttentionOptions<C> decode = options;
-      decode.algorithm = Algorithm::decode;
-      const KernelPlan plan = plan_attention<C>(
-          {q.batch, q.heads, kv_heads_, q.length, max_length(), dim_, value_dim_, Index(sizeof(S))},
-          decode, false, attend_name);
-      const Mask<C> mask(attend_name, q.batch, q.heads, q.length, max_length(), decode, plan.isa);
+      AttentionShape shape{q.batch,      q.heads, kv_heads_,  q.length,
+                           max_length(), dim_,    value_dim_, 1};
+      shape.kv_quantized = true;
+      const KernelPlan plan = plan_attention<C>(shape, options, false, attend_name);
+      const Mask<C> mask(attend_name, q.batch, q.heads, q.length, max_length(), options, plan.isa);
       const detail::RowValues<C> logsumexp =
           outputs.logsumexp ? detail::row_values(*outputs.logsumexp) : detail::RowValues<C>{};
-      detail::decode_attention<C, S, SV>(plan, q, keys, values, outputs.out, mask, scale,
-                                         logsumexp);
+      if (plan.algorithm == Algorithm::decode)
+        detail::decode_attention<C, S, SV>(plan, q, keys, values, outputs.out, mask, scale,
+                                           logsumexp);
+      else
+        detail::run_flash(plan, q, keys, values, outputs.out, mask, scale, logsumexp);
     }
   }
 

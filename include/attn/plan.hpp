@@ -30,6 +30,9 @@ struct AttentionShape {
   /// Bytes of one stored element of k and v (2 for half and bfloat16); 0: the compute
   /// scalar's. The automatic choice depends on it (decode streams K and V).
   Index kv_element_bytes = 0;
+  /// Whether K or V is stored in quantized blocks (q8_0, q4_0; kv_element_bytes then 1):
+  /// only decode and flash read them, and the automatic choice is quantized_decode_max_queries.
+  bool kv_quantized = false;
   /// Whether a causal mask hides the keys above each query's diagonal: flash then takes
   /// shorter query tiles (default_query_tile).
   bool causal = false;
@@ -137,6 +140,25 @@ inline Index decode_max_queries(Isa isa, bool kv_16bit, double flash_bytes) {
                                            : choice.decode_max_queries_streamed;
 }
 
+/// Algorithm::automatic over quantized K/V (KVCache<BlockQ8_0>, ...): decode, which
+/// dequantizes each vector in registers once per kv head for all G * Lq rows, for at most
+/// this many queries per head; above, flash, which dequantizes a key tile at a time into its
+/// workspace and multiplies tiles. Measured with bench_decode's prefill_formats on Zen 4
+/// (AVX-512; Lk = 4096, D = 128, Hq = Hkv = 8 and GQA 32/8, q8_0 and q4_0, docs/performance.md
+/// "Chunked prefill from a quantized cache"): decode led up to Lq = 8 (1.5-1.8x at 8), flash
+/// from 16 (1.1-1.3x). AVX2 takes the AVX-512 crossover and generic its 16-bit rule, neither
+/// measured with blocks.
+inline Index quantized_decode_max_queries(Isa isa) {
+  switch (isa) {
+    case Isa::avx512:
+    case Isa::avx2:
+      return 8;
+    case Isa::generic:
+      break;
+  }
+  return 64;
+}
+
 /// Flash tiles (query rows, keys) by instruction set, measured with bench_attention's
 /// flash_tiles at D = 64 and 128 (docs/performance.md, "Tuning"). Causal attention takes 64
 /// query rows: a tile on the diagonal computes every score of its key tiles and masks
@@ -228,12 +250,17 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
     const double flash_bytes = static_cast<double>(group * k_length) *
                                static_cast<double>(shape.dim + shape.value_dim) *
                                static_cast<double>(kv_bytes);
-    if (wants_weights || group * q_length <= automatic_choice(isa, kv_bytes == 2).naive_max_rows)
+    if (shape.kv_quantized) {  // (naive cannot read blocks; KVCache refuses weights)
+      plan.algorithm = !dropout && q_length <= quantized_decode_max_queries(isa) ? Algorithm::decode
+                                                                                 : Algorithm::flash;
+    } else if (wants_weights ||
+               group * q_length <= automatic_choice(isa, kv_bytes == 2).naive_max_rows) {
       plan.algorithm = Algorithm::naive;
-    else if (!dropout && q_length <= decode_max_queries(isa, kv_bytes == 2, flash_bytes))
+    } else if (!dropout && q_length <= decode_max_queries(isa, kv_bytes == 2, flash_bytes)) {
       plan.algorithm = Algorithm::decode;  // (dropout runs in naive and flash only)
-    else
+    } else {
       plan.algorithm = Algorithm::flash;
+    }
   } else {
     if (dropout && requested != Algorithm::naive && requested != Algorithm::flash) {
       detail::throw_invalid_argument(function, std::string("dropout was asked of Algorithm::") +

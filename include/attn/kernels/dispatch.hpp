@@ -3,7 +3,7 @@
 // Every instruction-set namespace (generic, avx2, avx512) ends with one Table
 // (simd/table.inl) of its entry points:
 //
-//   forward<T, S>   flash_tile                               (kernels/online_softmax.inl)
+//   forward<T, SK, SV>  flash_tile                           (kernels/online_softmax.inl)
 //   decode<T, SK, SV>  decode_split, merge_splits            (kernels/online_softmax.inl)
 //   backward<T>     backward_key_tile                        (kernels/flash_backward.inl)
 //   gemm<float>     the projections' GEMM                    (kernels/gemm.hpp)
@@ -32,12 +32,13 @@
 
 namespace attn::detail {
 
-/// The flash kernel of one instruction set for compute scalar T, K/V stored as S.
-template <class T, class S>
+/// The flash kernel of one instruction set for compute scalar T, K stored as SK and V as SV
+/// (each T, 16-bit, or quantized blocks).
+template <class T, class SK, class SV = SK>
 struct ForwardKernels {
   Isa isa;
   Index lanes;  ///< flash query tiles are padded to whole vectors of this many
-  decltype(&generic::flash_tile<T, S>) flash_tile;
+  decltype(&generic::flash_tile<T, SK, SV>) flash_tile;
 
   Index padded(Index n) const { return (n + lanes - 1) / lanes * lanes; }
 };
@@ -99,15 +100,15 @@ decltype(auto) dispatch(Isa isa, const Pick& pick) {
 }
 
 /// The flash kernel of `isa` (the generic one for any scalar but float).
-template <class T, class S>
-const ForwardKernels<T, S>& forward_kernels(Isa isa) {
+template <class T, class SK, class SV = SK>
+const ForwardKernels<T, SK, SV>& forward_kernels(Isa isa) {
   if constexpr (std::is_same_v<T, float>) {
-    return dispatch(isa, [](auto table) -> const ForwardKernels<T, S>& {
-      return decltype(table)::template forward<T, S>;
+    return dispatch(isa, [](auto table) -> const ForwardKernels<T, SK, SV>& {
+      return decltype(table)::template forward<T, SK, SV>;
     });
   } else {
     ATTN_DISPATCH_OBSERVER(isa);
-    return generic::Table::forward<T, S>;
+    return generic::Table::forward<T, SK, SV>;
   }
 }
 

@@ -2,7 +2,8 @@
 //
 //   q    (B, Hq, Lq, D)    work items: (b, query head, query tile of Bq rows)
 //   k    (B, Hkv, Lk, D)   read in place through the strided head view, key tile by key tile
-//   v    (B, Hkv, Lk, Dv)  (16-bit k and v are widened tile by tile)
+//   v    (B, Hkv, Lk, Dv)  (16-bit k and v are widened tile by tile, quantized blocks
+//                           dequantized: a view of blocks has D / 32 units per row)
 //   out  (B, Hq, Lq, Dv)
 //
 // The kernel of one work item is flash_tile (kernels/online_softmax.inl), compiled for each
@@ -15,7 +16,7 @@
 // rounded up to whole vectors (16 floats for AVX-512, 8 for AVX2) and Bk = min(key tile, Lk):
 // W * (D + Bk + Dv + 6) scalars and 3 * W 32-bit integers (kernels/workspace.hpp: q tile,
 // scores, accumulator, six row vectors; the key bounds and dropout keys of the tile's rows),
-// plus Bk * (D + Dv) scalars when k and v are stored in 16 bits (on every path) and
+// plus Bk * (D + Dv) scalars when k or v is stored in 16 bits or blocks (on every path) and
 // Bq * (D + Dv) when q and out are; independent of Lq and Lk. Float, D = Dv = 64, default
 // tiles: 197 KiB (128 x 256), 98 KiB causal (64 x 256).
 #pragma once
@@ -31,18 +32,19 @@
 #include "attn/mask.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
+#include "attn/quantized.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn::detail {
 
 /// Flash attention over all (b, query head, query tile) items of the plan. Items are handed
 /// out last query tile first: under a top-left causal mask the last tiles carry the most work.
-template <class TQ, class TKV, class TO>
+template <class TQ, class TK, class TV, class TO>
 void run_flash(const KernelPlan& plan,
-               const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
-               const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
-               const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
-               const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
+               const HeadsView<const TQ>& q,  // (B, Hq, Lq, D)
+               const HeadsView<const TK>& k,  // (B, Hkv, Lk, D)  (blocks: D / 32 units)
+               const HeadsView<const TV>& v,  // (B, Hkv, Lk, Dv) (blocks: Dv / 32 units)
+               const HeadsView<TO>& out,      // (B, Hq, Lq, Dv)
                const Mask<compute_scalar_t<TQ>>& mask, compute_scalar_t<TQ> scale,
                const RowValues<compute_scalar_t<TQ>>& logsumexp) {  // (B, Hq, Lq) or null
   using T = compute_scalar_t<TQ>;
@@ -56,11 +58,12 @@ void run_flash(const KernelPlan& plan,
     Matrix<T> q_rows;  // a widened query tile (16-bit q)
     NarrowedRows<T, TO> out_rows;
   };
-  const ForwardKernels<T, TKV>& kernels = forward_kernels<T, TKV>(plan.isa);
+  const ForwardKernels<T, TK, TV>& kernels = forward_kernels<T, TK, TV>(plan.isa);
   const auto make_scratch = [&] {
     Scratch scratch;
     scratch.workspace.reserve_flash(kernels.padded(std::min(query_tile, q_length)), key_tile, q.dim,
-                                    v.dim, !std::is_same_v<TKV, T>);
+                                    v.dim * values_per_unit_v<TV>,
+                                    !std::is_same_v<TK, T> || !std::is_same_v<TV, T>);
     return scratch;
   };
   for_each_item(plan.work_items, plan.parallel, make_scratch, [&](Index item, Scratch& s) {

@@ -5,7 +5,8 @@
 // on the columns of st and ot for flash, on the rows of s and acc for decode. Products are
 // Eigen's GEMMs and the exp is Eigen's vectorised exp, so this code runs at the speed of the
 // translation unit's own -march (SSE2 in a plain x86-64 build). No padding: W = the query
-// tile. 16-bit k and v are widened into the workspace before the products.
+// tile. 16-bit k and v are widened, and quantized blocks dequantized, into the workspace
+// before the products.
 #pragma once
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 #include "attn/config.hpp"
 #include "attn/cpu.hpp"
 #include "attn/dropout.hpp"
+#include "attn/quantized.hpp"
 #include "attn/softmax.hpp"
 #include "attn/tensor.hpp"
 
@@ -168,6 +170,14 @@ template <class S>
 void widen(const S* src, float* dst, Index n) {
   for (Index i = 0; i < n; ++i)
     dst[i] = static_cast<float>(src[i]);
+}
+
+/// n values (a multiple of 32) of q8_0 or q4_0 blocks, dequantized.
+inline void widen(const BlockQ8_0* src, float* dst, Index n) {
+  dequantize_blocks(src, n / quantized_block_values, dst);
+}
+inline void widen(const BlockQ4_0* src, float* dst, Index n) {
+  dequantize_blocks(src, n / quantized_block_values, dst);
 }
 
 // --- Decode: queries on the rows --------------------------------------------------------

@@ -110,32 +110,28 @@ inline void finish_query(Index parts, const T* m, const T* l, Index part_stride,
 /// 16-bit, or quantized blocks, dim a multiple of 32): widened or dequantized to float.
 template <class S>
 inline void widen_rows(const S* rows, Index stride, Index count, Index dim, float* dst) {
-  for (Index r = 0; r < count; ++r) {
-    if constexpr (is_quantized_v<S>)
-      dequantize_blocks(rows + r * stride, dim / quantized_block_values, dst + r * dim);
-    else
-      widen(rows + r * stride, dst + r * dim, dim);
-  }
+  for (Index r = 0; r < count; ++r)
+    widen(rows + r * stride, dst + r * dim, dim);
 }
 
 /// Rows [first, first + count) of one head in the compute scalar T: the memory itself when
-/// S is T, else widened into `buffer` (at least (count, cols)).
+/// S is T, else widened or dequantized into `buffer` (at least (count, values per row)).
 template <class T, class S>
-inline HeadMatrix<const T> tile_rows(const HeadMatrix<const S>& x, Index first, Index count,
-                                     Scratch<T>& buffer) {
+inline HeadMatrix<const T> tile_rows(const HeadMatrix<const S>& x,  // (L, units per row)
+                                     Index first, Index count, Scratch<T>& buffer) {
   if constexpr (std::is_same_v<S, T>) {
     return middle_rows(x, first, count);
   } else {
-    for (Index r = 0; r < count; ++r)
-      widen(x.row(first + r).data(), buffer.data() + r * x.cols(), x.cols());
-    return HeadMatrix<const T>(buffer.data(), count, x.cols(), Eigen::OuterStride<>(x.cols()));
+    const Index dim = x.cols() * values_per_unit_v<S>;
+    widen_rows(x.row(first).data(), x.outerStride(), count, dim, buffer.data());
+    return HeadMatrix<const T>(buffer.data(), count, dim, Eigen::OuterStride<>(dim));
   }
 }
 
 /// Flash attention for queries [i0, i0 + rows) of one (batch b, query head h) pair, whose
-/// rows of q and out are given; k and v are the whole head, stored as S (T, or 16-bit
-/// widened tile by tile). `workspace` is reserved for at least padded(rows) queries and
-/// key_tile keys.
+/// rows of q and out are given; k and v are the whole head, stored as SK and SV (T, or
+/// 16-bit or quantized blocks widened tile by tile). `workspace` is reserved for at least
+/// padded(rows) queries and key_tile keys.
 ///   pass 1: qt = scale * q tile^T                    (the scale folded into the operand)
 ///   pass 2: for each key tile [j0, j1) the mask does not hide:
 ///             st = k[j0:j1] qt                        (the column maxima in the same pass
@@ -144,17 +140,17 @@ inline HeadMatrix<const T> tile_rows(const HeadMatrix<const S>& x, Index first, 
 ///             online softmax down the columns of st  (a vector of queries at a time)
 ///             ot = alpha ot + v[j0:j1]^T st
 ///   pass 3: out = ot^T / l (zeros when the query sees nothing), logsumexp = m + log l
-template <class T, class S>
-void flash_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
-                const HeadMatrix<const S>& k,  // (Lk, D)    the whole head
-                const HeadMatrix<const S>& v,  // (Lk, Dv)
-                HeadMatrix<T> out,             // (rows, Dv) written
+template <class T, class SK, class SV = SK>
+void flash_tile(const HeadMatrix<const T>& q,   // (rows, D)  queries i0 ..
+                const HeadMatrix<const SK>& k,  // (Lk, D)    the whole head (blocks: D / 32)
+                const HeadMatrix<const SV>& v,  // (Lk, Dv)
+                HeadMatrix<T> out,              // (rows, Dv) written
                 const Mask<T>& mask, Index b, Index h, T scale, Index i0, Index key_tile,
                 Workspace<T>& workspace,
                 T* logsumexp) {  // (rows) or null
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
   const Index rows = q.rows(), i1 = i0 + rows, width = padded(rows);
-  const Index dim = q.cols(), value_dim = v.cols();
+  const Index dim = q.cols(), value_dim = v.cols() * values_per_unit_v<SV>;
   // Row stride of qt, st and ot: this tile's width, not the workspace's, so that a tile
   // gives the same bits whatever the longest sequence of the call (Eigen's products round
   // differently at different strides).
@@ -184,7 +180,7 @@ void flash_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
       if (visibility == TileVisibility::hidden)
         continue;
       const bool masked = visibility == TileVisibility::partial || mask.modifies_scores();
-      const HeadMatrix<const T> k_tile = tile_rows<T, S>(k, j0, cols, workspace.k);
+      const HeadMatrix<const T> k_tile = tile_rows<T, SK>(k, j0, cols, workspace.k);
       scores(k_tile.data(), k_tile.outerStride(), cols, qt, stride, dim, width, st, stride,
              masked ? nullptr : tile_max);
       // Element by element for a keep-mask, changed scores, or sink tokens in the tile (a
@@ -216,7 +212,7 @@ void flash_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
         for (Index j = 0; j < cols; ++j)
           dropout.apply_for_key(workspace.dropout_rows.data(), rows, j0 + j, st + j * stride);
       }
-      const HeadMatrix<const T> v_tile = tile_rows<T, S>(v, j0, cols, workspace.v);
+      const HeadMatrix<const T> v_tile = tile_rows<T, SV>(v, j0, cols, workspace.v);
       accumulate(st, stride, cols, width, v_tile.data(), v_tile.outerStride(), value_dim,
                  first_tile ? nullptr : alpha, ot, stride);
       first_tile = false;

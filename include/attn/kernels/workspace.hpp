@@ -14,8 +14,8 @@
 //   key_lo, key_hi  (W)  visible keys of each query in a tile (flash), int32
 //   dropout_rows    (W)  the dropout's row keys of the tile's queries (flash), uint32
 //   k, v       (Bk, D), (Bk, Dv)  a key/value tile widened to the compute scalar, when k
-//                                   and v are stored in 16 bits and the products do not
-//                                   widen in registers
+//                                   or v is stored in 16 bits or quantized blocks and the
+//                                   products do not widen in registers
 //
 // Sized once per call, reused for every work item of the thread; what that costs is stated
 // with each kernel (kernels/flash.hpp, kernels/decode.hpp).

@@ -83,6 +83,25 @@ struct RowReader<BlockQ8_0> : BlockRowReader<BlockQ8_0> {};
 template <>
 struct RowReader<BlockQ4_0> : BlockRowReader<BlockQ4_0> {};
 
+/// n values (a multiple of 32) of q8_0 or q4_0 blocks dequantized into dst by the reader's
+/// vectors: bit for bit dequantize_blocks (d q and d n - 8 d are exact products in float).
+template <class Block>
+inline void widen_blocks(const Block* src, float* dst, Index n) {
+  const RowReader<Block> reader{{src, 0}};
+  for (Index d = 0; d < n; d += quantized_block_values) {
+    const ScaledBlock<Block> piece = reader.piece(0, d);
+#pragma GCC unroll 4
+    for (int i = 0; i < RowReader<Block>::step; ++i)
+      store(dst + d + i * lanes, RowReader<Block>::load(piece, i));
+  }
+}
+inline void widen(const BlockQ8_0* src, float* dst, Index n) {
+  widen_blocks(src, dst, n);
+}
+inline void widen(const BlockQ4_0* src, float* dst, Index n) {
+  widen_blocks(src, dst, n);
+}
+
 /// The reader of `rows`, `stride` S apart.
 template <class S>
 RowReader<S> reader_of(const S* rows, Index stride) {

@@ -12,9 +12,9 @@ struct Table {
   /// one: clang warns about a region that has none).
   static const char* name() { return isa_name(level); }
 
-  /// flash_tile for compute scalar T and K/V stored as S.
-  template <class T, class S>
-  static constexpr ForwardKernels<T, S> forward{level, lanes, &flash_tile<T, S>};
+  /// flash_tile for compute scalar T, K stored as SK and V as SV.
+  template <class T, class SK, class SV>
+  static constexpr ForwardKernels<T, SK, SV> forward{level, lanes, &flash_tile<T, SK, SV>};
 
   /// decode_split and merge_splits for compute scalar T, K stored as SK and V as SV.
   template <class T, class SK, class SV>
