@@ -36,7 +36,7 @@ from collections import defaultdict
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
-PAGES = ["README.md", "docs/performance.md"]
+PAGES = ["README.md", "docs/performance.md", "docs/quantized-cache.md", "docs/tiny_lm.md"]
 BEGIN = re.compile(r"^<!-- perf-table: ([\w-]+) -->$")
 END = "<!-- /perf-table -->"
 ISAS = ["generic", "avx2", "avx512"]
@@ -384,6 +384,44 @@ def table_prefill_formats():
     return lines
 
 
+def table_tiny_lm_kv_formats():
+    with open(RESULTS / "tiny_lm_kv_formats.json", encoding="utf-8") as f:
+        r = json.load(f)
+    lines = source("tiny_lm_kv_formats.json",
+                   probes=f"{r['windows']} windows of {r['window']} held-out bytes in chunks of "
+                   f"{r['chunk']}, {r['predictions']} predictions; the float cache's loss "
+                   f"{r['float_loss']:.3f} nats per byte")
+    lines += ["| K | V | rotation | bytes per value | same argmax as float | KL (nats) | "
+              "loss change (nats per byte) |", "|---|---|---|---|---|---|---|"]
+    for e in r["formats"]:
+        lines.append(f"| {e['keys']} | {e['values']} | {e['rotation']} | "
+                     f"{e['bytes_per_value']:.4g} | {100 * e['agreement']:.2f}% | "
+                     f"{e['kl']:.1e} | {e['loss_change']:+.1e} |")
+    return lines
+
+
+def table_tiny_lm_speed():
+    _, b = bench("tiny_lm.json")
+    probe = b["bandwidth/threads:1"]["bytes"]
+    lines = source("tiny_lm.json", probes=f"the streaming probe `bandwidth` of the same run "
+                   f"({probe / 2**30:.1f} GiB/s, one thread)")
+    contexts = sorted(int(n.split("/")[1]) for n in b if n.startswith("tiny_lm_decode/"))
+    prompts = sorted(int(n.split("/")[1]) for n in b if n.startswith("tiny_lm_prefill/"))
+    lines += ["| | " + " | ".join(f"context {c}" for c in contexts) + " |",
+              "|---|" + "---|" * len(contexts)]
+    lines.append("| prefill of a prompt, tokens/s (its length) | "
+                 + " | ".join(f"{b[f'tiny_lm_prefill/{p}']['items_per_second']:,.0f} ({p})"
+                              for p in prompts) + " |")
+    decode = [b[f"tiny_lm_decode/{c}"] for c in contexts]
+    lines.append("| decode, tokens/s (time per token) | "
+                 + " | ".join(f"{e['items_per_second']:,.0f} ({1e6 / e['items_per_second']:.0f} us)"
+                              for e in decode) + " |")
+    lines.append("| K/V bytes per decode time, share of the probe | "
+                 + " | ".join(f"{e['KV_bytes'] / 2**30:.2f} GiB/s, {share(e['KV_bytes'], probe)}"
+                              for e in decode) + " |")
+    return lines
+
+
 MULTIHEAD_ROWS = [
     ("mha_forward", "`MultiHeadAttention::forward`"),
     ("qkv_gemm", "QKV projection (4096 x 768)(768 x 2304), attn's GEMM"),
@@ -456,6 +494,8 @@ TABLES = {
     "decode-isa": table_decode_isa,
     "decode-formats": table_decode_formats,
     "prefill-formats": table_prefill_formats,
+    "tiny-lm-kv-formats": table_tiny_lm_kv_formats,
+    "tiny-lm-speed": table_tiny_lm_speed,
     "plan-sweep-readme": table_plan_sweep_readme,
     "plan-sweep-summary": table_plan_sweep_summary,
     "plan-sweep-grid": table_plan_sweep_grid,

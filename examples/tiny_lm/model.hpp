@@ -91,11 +91,15 @@ struct Config {
 /// each with its own State.
 class Model {
  public:
-  /// The per-sequence decoding state: one KV cache per layer (rotated keys, and values).
-  struct State {
-    std::vector<attn::KVCache<float>> caches;
+  /// The per-sequence decoding state: one KV cache per layer (RoPE-rotated keys, and
+  /// values), its keys stored as SK and its values as SV (any KVCache format: float, half,
+  /// bfloat16, attn::BlockQ8_0, attn::BlockQ4_0).
+  template <class SK = float, class SV = SK>
+  struct CacheState {
+    std::vector<attn::KVCache<SK, SV>> caches;
     Index length() const { return caches.empty() ? 0 : caches.front().lengths().front(); }
   };
+  using State = CacheState<float>;
 
   explicit Model(const attn::SafetensorsFile& file)
       : config_(Config::from_metadata(file.metadata())) {
@@ -153,17 +157,24 @@ class Model {
     return logits(x);
   }
 
-  /// An empty state with room for `capacity` tokens (it grows beyond, up to max_positions).
-  State new_state(Index capacity = 0) const {
-    State s;
-    for (Index i = 0; i < config_.layers; ++i)
-      s.caches.emplace_back(1, config_.kv_heads, config_.head_dim(), config_.head_dim(), capacity);
+  /// An empty state with room for `capacity` tokens (it grows beyond, up to max_positions),
+  /// its caches in the formats SK (keys) and SV (values), optionally Hadamard-rotated
+  /// (docs/quantized-cache.md).
+  template <class SK = float, class SV = SK>
+  CacheState<SK, SV> new_state(Index capacity = 0,
+                               attn::KVRotation rotation = attn::KVRotation::none) const {
+    CacheState<SK, SV> s;
+    for (Index i = 0; i < config_.layers; ++i) {
+      s.caches.emplace_back(1, config_.kv_heads, config_.head_dim(), config_.head_dim(), capacity,
+                            true, rotation);
+    }
     return s;
   }
 
   /// Appends `tokens` (n) to the sequence of `state` (a prompt, or one token per decode step)
   /// and returns their logits (n, V): token t sees the cached tokens and tokens[0..t].
-  Matrix step(State& state, const std::vector<int>& tokens) const {
+  template <class SK, class SV>
+  Matrix step(CacheState<SK, SV>& state, const std::vector<int>& tokens) const {
     const Index length = static_cast<Index>(tokens.size());
     check_tokens("tiny_lm::Model::step", tokens, state.length());
     if (static_cast<Index>(state.caches.size()) != config_.layers)

@@ -56,8 +56,9 @@ int main(int argc, char* argv[]) {
     const tiny_lm::Config& c = model.config();
     std::cout << "model " << path << ": " << model.parameters() << " weights, " << c.layers
               << " layers, E " << c.embed_dim << ", " << c.heads << " query heads sharing "
-              << c.kv_heads << " key/value heads of " << c.head_dim() << ", MLP " << c.hidden_dim
-              << ", trained " << file.metadata().at("training_seconds") << " s to loss "
+              << c.kv_heads << (c.kv_heads == 1 ? " key/value head" : " key/value heads") << " of "
+              << c.head_dim() << ", MLP " << c.hidden_dim << ", trained "
+              << file.metadata().at("training_seconds") << " s to loss "
               << file.metadata().at("final_loss") << "\n";
     if (prompt.empty() || steps < 1) {
       std::cerr << "tiny_lm: the prompt must not be empty and --tokens must be positive\n";
