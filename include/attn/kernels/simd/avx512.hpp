@@ -285,10 +285,19 @@ inline vec where_at_least(ivec x, std::uint32_t threshold, vec value) {
 #pragma GCC diagnostic pop
 #endif
 
-/// Requests the cache line at `address`: a hint, which never faults (the address may lie
-/// past the data).
+/// Requests the cache line at `address` into L2: a hint, which never faults (the address
+/// may lie past the data). L2, not L1 (T1, not T0): on Zen 4 decode streamed K and V 1.5x
+/// faster so (docs/performance.md, "Tuning choices"); an L2 hit is soon enough for a
+/// kernel that spends a few cycles per loaded vector, and L2 tracks more lines in flight.
 inline void prefetch(std::uintptr_t address) {
   // An integer, because the address may lie past the data, where a pointer may not point.
+  _mm_prefetch(reinterpret_cast<const char*>(address),  // NOLINT(performance-no-int-to-ptr)
+               _MM_HINT_T1);
+}
+
+/// The same into L1 (T0): the quantized readers, which spend more instructions per byte
+/// read, measured no gain from L2 prefetches (slightly slower with grouped-query heads).
+inline void prefetch_to_l1(std::uintptr_t address) {
   _mm_prefetch(reinterpret_cast<const char*>(address),  // NOLINT(performance-no-int-to-ptr)
                _MM_HINT_T0);
 }

@@ -17,7 +17,12 @@ inline constexpr Index prefetch_keys = 32;
 
 template <class S>
 inline void prefetch_element(const S* row, Index offset) {
-  prefetch(reinterpret_cast<std::uintptr_t>(row) + static_cast<std::uintptr_t>(offset) * sizeof(S));
+  const std::uintptr_t address =
+      reinterpret_cast<std::uintptr_t>(row) + static_cast<std::uintptr_t>(offset) * sizeof(S);
+  if constexpr (is_quantized_v<S>)
+    prefetch_to_l1(address);
+  else
+    prefetch(address);
 }
 
 /// Rows of K or V stored as S, widened to float in registers a piece at a time: piece(j, d)
