@@ -155,14 +155,19 @@ std::pair<double, double> difference(const std::vector<float>& a, const std::vec
 }
 
 template <class SK, class SV>
-void blocks_read_like_their_values(const char* formats) {
+void blocks_read_like_their_values(const char* formats, int kind_step = 1) {
   INFO(formats);
   std::mt19937 rng(31);
   for (const Index k_length : {Index(7), Index(300), Index(1100)}) {
     for (const Index q_length : {Index(1), Index(3), Index(8)}) {
       for (const Index group : {Index(1), Index(4)}) {
         for (int kind = 0; kind < attn_test::mask_kinds; ++kind) {
-          if (k_length == 1100 && (kind % 3 != 0 || q_length > 1))
+          // The longest keys and the most query rows on every third mask kind, and the pairs
+          // with a 16-bit side on every third kind only (under ASan the full sweep over six
+          // pairs took 45 s per instruction set).
+          if (kind % kind_step != 0 ||
+              ((k_length == 1100 || q_length == 8) && kind % (3 * kind_step) != 0) ||
+              (k_length == 1100 && q_length > 1))
             continue;
           Problem p =
               attn_test::masked_problem(2, 2 * group, 2, q_length, k_length, 64, 32, kind, rng);
@@ -286,8 +291,8 @@ TEST_CASE(
   blocks_read_like_their_values<BlockQ8_0, BlockQ4_0>("K q8_0, V q4_0");
   blocks_read_like_their_values<BlockQ4_0, BlockQ8_0>("K q4_0, V q8_0");
   blocks_read_like_their_values<BlockQ4_0, BlockQ4_0>("K q4_0, V q4_0");
-  blocks_read_like_their_values<Eigen::half, BlockQ8_0>("K half, V q8_0");
-  blocks_read_like_their_values<BlockQ4_0, Eigen::bfloat16>("K q4_0, V bfloat16");
+  blocks_read_like_their_values<Eigen::half, BlockQ8_0>("K half, V q8_0", 3);
+  blocks_read_like_their_values<BlockQ4_0, Eigen::bfloat16>("K q4_0, V bfloat16", 3);
 }
 
 TEST_CASE("decode over blocks is within the quantization bound of the exact result",
