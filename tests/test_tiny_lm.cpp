@@ -13,6 +13,7 @@
 
 #include <attn/quantized.hpp>
 
+#include "../examples/tiny_lm/divergence.hpp"
 #include "../examples/tiny_lm/model.hpp"
 #include "support/fixtures.hpp"
 using attn::Index;
@@ -136,11 +137,7 @@ Eigen::MatrixXd teacher_forced(attn::KVRotation rotation = attn::KVRotation::non
     const std::vector<int> chunk(tokens.begin() + begin, tokens.begin() + begin + n);
     out.middleRows(begin, n) = model().step(state, chunk).template cast<double>();
   }
-  for (Index r = 0; r < length; ++r) {
-    const double m = out.row(r).maxCoeff();
-    out.row(r).array() -= m + std::log((out.row(r).array() - m).exp().sum());
-  }
-  return out;
+  return tiny_lm::log_softmax_rows(out);
 }
 
 struct Divergence {
@@ -148,17 +145,9 @@ struct Divergence {
 };
 
 Divergence divergence(const Eigen::MatrixXd& exact, const Eigen::MatrixXd& approx) {
-  Divergence d{0, 0};
-  for (Index r = 0; r < exact.rows(); ++r) {
-    Index a = 0, b = 0;
-    exact.row(r).maxCoeff(&a);
-    approx.row(r).maxCoeff(&b);
-    d.agreement += a == b ? 1 : 0;
-    d.kl += (exact.row(r).array().exp() * (exact.row(r).array() - approx.row(r).array())).sum();
-  }
-  d.agreement /= static_cast<double>(exact.rows());
-  d.kl /= static_cast<double>(exact.rows());
-  return d;
+  tiny_lm::Divergence d;
+  d.add(exact, approx, exact.rows());
+  return {d.mean_agreement(), d.mean_kl()};
 }
 
 }  // namespace

@@ -26,6 +26,7 @@
 
 #include <attn/quantized.hpp>
 
+#include "divergence.hpp"
 #include "model.hpp"
 
 #ifndef ATTN_TINY_LM_MODEL
@@ -41,17 +42,6 @@ using tiny_lm::Index;
 using tiny_lm::Matrix;
 
 constexpr Index chunk = 64;  // tokens per prefill step
-
-// The log-softmax of every row of logits (L, V), in double.
-Eigen::MatrixXd log_softmax(const Matrix& logits) {
-  Eigen::MatrixXd out = logits.cast<double>();
-  for (Index r = 0; r < out.rows(); ++r) {
-    const double m = out.row(r).maxCoeff();
-    const double lse = m + std::log((out.row(r).array() - m).exp().sum());
-    out.row(r).array() -= lse;
-  }
-  return out;
-}
 
 // The logits (L, V) of one window, fed in chunks through caches of formats SK and SV.
 template <class SK, class SV>
@@ -76,22 +66,17 @@ struct Format {
 };
 
 struct Score {
-  double agreement = 0, kl = 0, loss = 0;  // sums over positions
-  Index positions = 0;
+  tiny_lm::Divergence divergence;  // against the float cache
+  double loss = 0;                 // sum over positions of -log p(next byte)
 };
 
-// Adds the comparison of one window's log-probabilities (L, V) against the float run's.
+// Adds the comparison of one window's log-probabilities (L, V) against the float run's: every
+// position but the last, which has no next byte.
 void score_window(const Eigen::MatrixXd& exact, const Eigen::MatrixXd& approx,
                   const std::vector<int>& window, Score& s) {
-  for (Index t = 0; t + 1 < exact.rows(); ++t) {
-    Index best_exact = 0, best_approx = 0;
-    exact.row(t).maxCoeff(&best_exact);
-    approx.row(t).maxCoeff(&best_approx);
-    s.agreement += best_exact == best_approx ? 1 : 0;
-    s.kl += (exact.row(t).array().exp() * (exact.row(t).array() - approx.row(t).array())).sum();
+  s.divergence.add(exact, approx, exact.rows() - 1);
+  for (Index t = 0; t + 1 < exact.rows(); ++t)
     s.loss -= approx(t, window[static_cast<std::size_t>(t + 1)]);
-    ++s.positions;
-  }
 }
 
 std::string read_file(const std::string& path) {
@@ -184,32 +169,34 @@ int main(int argc, char* argv[]) {
     std::vector<Score> scores(formats.size());
     double float_loss = 0;
     for (const std::vector<int>& w : cut) {
-      const Eigen::MatrixXd exact = log_softmax(window_logits<float, float>(model, w, none));
+      const Eigen::MatrixXd exact =
+          tiny_lm::log_softmax_rows(window_logits<float, float>(model, w, none));
       for (Index t = 0; t + 1 < exact.rows(); ++t)
         float_loss -= exact(t, w[static_cast<std::size_t>(t + 1)]);
       for (std::size_t f = 0; f < formats.size(); ++f)
-        score_window(exact, log_softmax(formats[f].logits(model, w, formats[f].rotation)), w,
+        score_window(exact,
+                     tiny_lm::log_softmax_rows(formats[f].logits(model, w, formats[f].rotation)), w,
                      scores[f]);
     }
-    const auto positions = static_cast<double>(scores.front().positions);
+    const auto positions = static_cast<double>(scores.front().divergence.positions);
     float_loss /= positions;
 
     std::cout << "model " << model_path << " (head dim " << model.config().head_dim() << ", "
               << model.config().kv_heads << " kv heads, " << model.config().layers << " layers); "
               << cut.size() << " windows of " << window_length << " held-out bytes, "
-              << scores.front().positions << " predictions\n"
+              << scores.front().divergence.positions << " predictions\n"
               << "float cache: loss " << std::fixed << std::setprecision(4) << float_loss
               << " nats/byte\n\n"
               << "K      V      rotation  bytes/value  agreement  KL (nats)   loss change\n";
     std::ostringstream json;
     json << "{\"trained_on_sha256\": \"" << file.metadata().at("trained_on_sha256")
          << "\", \"windows\": " << cut.size() << ", \"window\": " << window_length
-         << ", \"chunk\": " << chunk << ", \"predictions\": " << scores.front().positions
+         << ", \"chunk\": " << chunk << ", \"predictions\": " << scores.front().divergence.positions
          << ", \"float_loss\": " << std::setprecision(6) << float_loss << ",\n \"formats\": [";
     for (std::size_t f = 0; f < formats.size(); ++f) {
       const Format& fm = formats[f];
       const Score& s = scores[f];
-      const double agreement = s.agreement / positions, kl = s.kl / positions;
+      const double agreement = s.divergence.mean_agreement(), kl = s.divergence.mean_kl();
       const double loss_change = s.loss / positions - float_loss;
       const double bytes = (fm.bytes_per_value_k + fm.bytes_per_value_v) / 2;
       std::cout << std::left << std::setw(7) << fm.keys << std::setw(7) << fm.values
