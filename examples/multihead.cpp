@@ -105,7 +105,7 @@ int run(const std::filesystem::path& out_dir) {
             << "Q shape: " << shape({batch, seq, qkv.q().cols()}) << "\n"
             << "K shape: " << shape({batch, seq, qkv.k().cols()}) << "\n"
             << "V shape: " << shape({batch, seq, qkv.v().cols()}) << "\n"
-            << "(one fused buffer " << shape({batch, seq, qkv.fused_buffer().cols()})
+            << "(one fused buffer " << shape({batch, seq, qkv.q().outerStride()})
             << "; Q, K, V are column blocks of it, no copy)\n";
   const attn::QKV<T> qkv_separate = separate(x);
   const double diff =

@@ -229,10 +229,14 @@ void fused_and_separate_qkv_projections_agree() {
   REQUIRE(a.is_fused());
   REQUIRE_FALSE(b.is_fused());
   // q, k and v of the fused result are column blocks of one buffer: zero-copy views.
-  REQUIRE(a.q().data() == a.fused_buffer().data());
-  REQUIRE(a.k().data() == a.fused_buffer().data() + E);
-  REQUIRE(a.v().data() == a.fused_buffer().data() + 2 * E);
+  REQUIRE(a.k().data() == a.q().data() + E);
+  REQUIRE(a.v().data() == a.q().data() + 2 * E);
   REQUIRE(a.q().outerStride() == 3 * E);
+  REQUIRE(a.v().outerStride() == 3 * E);
+  // The separate result's blocks are contiguous, one after another.
+  REQUIRE(b.q().outerStride() == E);
+  REQUIRE(b.k().data() == b.q().data() + B * S * E);
+  REQUIRE(b.v().data() == b.k().data() + B * S * E);
   CHECK(max_error(attn::Matrix<T>(a.q()), attn::Matrix<T>(b.q())) <= 1e-6);
   CHECK(max_error(attn::Matrix<T>(a.k()), attn::Matrix<T>(b.k())) <= 1e-6);
   CHECK(max_error(attn::Matrix<T>(a.v()), attn::Matrix<T>(b.v())) <= 1e-6);

@@ -27,9 +27,11 @@
 
 namespace attn {
 
-/// The result of a QKV projection: q (B, Lq, Dq), k (B, Lk, Dk), v (B, Lk, Dv), either in
-/// one fused buffer (B, S, Dq + Dk + Dv) (self-attention, fused weights) or in three
-/// buffers. Either way the accessors are zero-copy views.
+/// The result of a QKV projection: q (B, Lq, Dq), k (B, Lk, Dk), v (B, Lk, Dv) as three
+/// blocks of one buffer. Self-attention with fused weights writes the buffer as one GEMM's
+/// (B*S, Dq + Dk + Dv) rows, q, k and v its column blocks; otherwise the three blocks are
+/// contiguous (rows, width) matrices one after another. Either way the accessors are
+/// zero-copy views, each a block's offset and row stride.
 template <class T>
 class QKV {
  public:
@@ -39,56 +41,56 @@ class QKV {
   Index q_dim() const { return q_dim_; }
   Index k_dim() const { return k_dim_; }
   Index v_dim() const { return v_dim_; }
-  bool is_fused() const { return fused_; }
+  /// Whether q, k and v are column blocks of one GEMM's rows (row stride Dq + Dk + Dv).
+  bool is_fused() const { return q_.stride != q_dim_; }
 
-  /// (B*Lq, Dq), (B*Lk, Dk), (B*Lk, Dv) row views (a column block of the fused buffer).
-  ConstRowsMap<T> q() const { return rows(q_data(), batch_ * q_length_, q_dim_, q_stride()); }
-  ConstRowsMap<T> k() const { return rows(k_data(), batch_ * kv_length_, k_dim_, k_stride()); }
-  ConstRowsMap<T> v() const { return rows(v_data(), batch_ * kv_length_, v_dim_, v_stride()); }
+  /// (B*Lq, Dq), (B*Lk, Dk), (B*Lk, Dv) row views.
+  ConstRowsMap<T> q() const { return rows(q_, batch_ * q_length_, q_dim_); }
+  ConstRowsMap<T> k() const { return rows(k_, batch_ * kv_length_, k_dim_); }
+  ConstRowsMap<T> v() const { return rows(v_, batch_ * kv_length_, v_dim_); }
 
   /// Head views (B, H, L, D) over the (B, L, H, D) memory: what the attention kernels read.
   /// `heads` must divide the width.
   HeadsView<const T> q_heads(Index heads) const {
-    return heads_view("QKV::q_heads", q_data(), q_length_, q_dim_, q_stride(), heads);
+    return heads_view("QKV::q_heads", q_, q_length_, q_dim_, heads);
   }
   HeadsView<const T> k_heads(Index heads) const {
-    return heads_view("QKV::k_heads", k_data(), kv_length_, k_dim_, k_stride(), heads);
+    return heads_view("QKV::k_heads", k_, kv_length_, k_dim_, heads);
   }
   HeadsView<const T> v_heads(Index heads) const {
-    return heads_view("QKV::v_heads", v_data(), kv_length_, v_dim_, v_stride(), heads);
+    return heads_view("QKV::v_heads", v_, kv_length_, v_dim_, heads);
   }
-
-  /// The buffers (fused: only `fused_buffer` is used, (B*S, Dq+Dk+Dv)).
-  const Matrix<T>& fused_buffer() const { return qkv_; }
 
  private:
   template <class>
   friend class QKVProjection;
 
-  static ConstRowsMap<T> rows(const T* p, Index r, Index c, Index stride) {
-    return ConstRowsMap<T>(p, r, c, Eigen::OuterStride<>(stride));
+  /// Where one of q, k, v lies in buffer_: its first element and its row stride.
+  struct Block {
+    Index offset = 0;
+    Index stride = 0;
+  };
+
+  ConstRowsMap<T> rows(const Block& b, Index r, Index c) const {
+    return ConstRowsMap<T>(buffer_.data() + b.offset, r, c, Eigen::OuterStride<>(b.stride));
   }
-  HeadsView<const T> heads_view(const char* function, const T* p, Index length, Index width,
-                                Index stride, Index heads) const {
+  RowsMap<T> mutable_rows(const Block& b, Index r, Index c) {
+    return RowsMap<T>(buffer_.data() + b.offset, r, c, Eigen::OuterStride<>(b.stride));
+  }
+  HeadsView<const T> heads_view(const char* function, const Block& b, Index length, Index width,
+                                Index heads) const {
     if (heads < 1 || width % heads != 0) {
       detail::throw_invalid_argument(
           function,
           "width " + std::to_string(width) + " is not divisible by heads " + std::to_string(heads));
     }
-    return {p, batch_, heads, length, width / heads, length * stride, width / heads, stride};
+    return {buffer_.data() + b.offset, batch_,        heads,   length, width / heads,
+            length * b.stride,         width / heads, b.stride};
   }
-  Index total() const { return q_dim_ + k_dim_ + v_dim_; }
-  const T* q_data() const { return fused_ ? qkv_.data() : q_.data(); }
-  const T* k_data() const { return fused_ ? qkv_.data() + q_dim_ : k_.data(); }
-  const T* v_data() const { return fused_ ? qkv_.data() + q_dim_ + k_dim_ : v_.data(); }
-  Index q_stride() const { return fused_ ? total() : q_dim_; }
-  Index k_stride() const { return fused_ ? total() : k_dim_; }
-  Index v_stride() const { return fused_ ? total() : v_dim_; }
 
   Index batch_ = 0, q_length_ = 0, kv_length_ = 0, q_dim_ = 0, k_dim_ = 0, v_dim_ = 0;
-  bool fused_ = false;
-  Matrix<T> qkv_;        // fused: (B*S, Dq + Dk + Dv)
-  Matrix<T> q_, k_, v_;  // separate: (B*Lq, Dq), (B*Lk, Dk), (B*Lk, Dv)
+  Vector<T> buffer_;  // the three blocks
+  Block q_, k_, v_;
 };
 
 /// The gradients of a QKVProjection, named as MultiHeadAttention's state_dict names the
@@ -318,20 +320,25 @@ class QKVProjection {
     out.v_dim_ = v_dim();
     const bool same_input = x_q.data() == x_k.data() && x_q.data() == x_v.data() &&
                             x_q.dimension(1) == x_k.dimension(1);
-    out.fused_ = is_fused() && same_input;
-    if (out.fused_) {
-      const Index n = batch * x_q.dimension(1);
-      out.qkv_.resize(n, out.total());
+    const Index nq = batch * out.q_length_, nk = batch * out.kv_length_;
+    if (is_fused() && same_input) {
       // One GEMM: q, k and v are column blocks of its result.
-      detail::linear_into<T>(detail::rows_of(x_q), fused_weight(), bq(), as_rows(out.qkv_));
+      const Index total = q_dim() + k_dim() + v_dim();
+      out.buffer_.resize(nq * total);
+      out.q_ = {0, total};
+      out.k_ = {q_dim(), total};
+      out.v_ = {q_dim() + k_dim(), total};
+      detail::linear_into<T>(detail::rows_of(x_q), fused_weight(), bq(),
+                             out.mutable_rows(out.q_, nq, total));
       return;
     }
-    out.q_.resize(batch * out.q_length_, q_dim());
-    out.k_.resize(batch * out.kv_length_, k_dim());
-    out.v_.resize(batch * out.kv_length_, v_dim());
-    detail::linear_into<T>(detail::rows_of(x_q), wq(), bq(), as_rows(out.q_));
-    detail::linear_into<T>(detail::rows_of(x_k), wk(), bk(), as_rows(out.k_));
-    detail::linear_into<T>(detail::rows_of(x_v), wv(), bv(), as_rows(out.v_));
+    out.buffer_.resize(nq * q_dim() + nk * (k_dim() + v_dim()));
+    out.q_ = {0, q_dim()};
+    out.k_ = {nq * q_dim(), k_dim()};
+    out.v_ = {nq * q_dim() + nk * k_dim(), v_dim()};
+    detail::linear_into<T>(detail::rows_of(x_q), wq(), bq(), out.mutable_rows(out.q_, nq, q_dim()));
+    detail::linear_into<T>(detail::rows_of(x_k), wk(), bk(), out.mutable_rows(out.k_, nk, k_dim()));
+    detail::linear_into<T>(detail::rows_of(x_v), wv(), bv(), out.mutable_rows(out.v_, nk, v_dim()));
   }
 
   // The backward (attn/projection/qkv_backward.hpp).
@@ -402,9 +409,6 @@ class QKVProjection {
     const Index out = blocks_[static_cast<std::size_t>(which)].out;
     return Linear<T>(Matrix<T>(weight(which)),
                      has_bias() ? Vector<T>(bias_.segment(first_column(which), out)) : Vector<T>());
-  }
-  static RowsMap<T> as_rows(Matrix<T>& m) {
-    return RowsMap<T>(m.data(), m.rows(), m.cols(), Eigen::OuterStride<>(m.cols()));
   }
   void check_backward_tensors(const Tensor<T, 3>& x_q, const Tensor<T, 3>& x_k,
                               const Tensor<T, 3>& x_v, const Tensor<T, 3>& dq,
