@@ -161,8 +161,8 @@ void BM_flash_kv16(benchmark::State& state) {
   };
   const auto out = attn::bhld_view(inputs.out.data(), Index(1), kHeads, length, dim);
   const auto run = [&] {
-    attn::scaled_dot_product_attention_into(inputs.view(inputs.q), view16(k16), view16(v16), out,
-                                            options);
+    attn::scaled_dot_product_attention_into<float, S>(inputs.view(inputs.q), view16(k16),
+                                                      view16(v16), out, options);
   };
   // Widening tile by tile must give the bits of the float kernel on the widened values.
   std::vector<float> reference(inputs.out.size());

@@ -75,7 +75,7 @@ void sweep(benchmark::State& state, attn::Isa isa) {
   options.causal = attn::Causal::bottom_right;
   const auto run = [&](std::vector<float>& result, Algorithm algorithm) {
     options.algorithm = algorithm;
-    attn::scaled_dot_product_attention_into(
+    attn::scaled_dot_product_attention_into<float, KV>(
         qv, kv, vv, attn::bhld_view(result.data(), 1, q_heads, q_length, dim), options);
   };
   run(reference, Algorithm::naive);

@@ -120,8 +120,8 @@ void check_16bit_storage(const char* type_name) {
 
       // Output requested in float: the error is then far below the 16-bit rounding.
       Heads<float> out_float(batch, q_heads, q_length, value_dim);
-      attn::scaled_dot_product_attention_into(q.cview(), k.cview(), v.cview(), out_float.view(),
-                                              options);
+      attn::scaled_dot_product_attention_into<S, S, float>(q.cview(), k.cview(), v.cview(),
+                                                           out_float.view(), options);
       const double error_float = max_error(out_float.data, reference);
       INFO("float output error " << error_float);
       CHECK(error_float <= 1e-5);
@@ -195,7 +195,7 @@ TEST_CASE("float queries against half keys and values (decoding from a 16-bit ca
       options.algorithm = algorithm;
       Heads<float> out(batch, q_heads, q_length, dim);
       std::vector<float> lse(static_cast<std::size_t>(batch * q_heads * q_length));
-      attn::scaled_dot_product_attention_into(
+      attn::scaled_dot_product_attention_into<float, Eigen::half>(
           q.cview(), k.cview(), v.cview(),
           attn::AttentionOutputViews{out.view(),
                                      attn::bhl_view(lse.data(), batch, q_heads, q_length)},
@@ -427,13 +427,14 @@ TEST_CASE("mixed storage: an output overlapping an input of another scalar is re
   const auto k_view = attn::bhld_view(k.data(), 1, 1, 3, 8);
   const auto v_view = attn::bhld_view(v.data(), 1, 1, 3, 8);
   const auto out_over_q = attn::bhld_view(reinterpret_cast<Eigen::half*>(q.data()), 1, 1, 2, 8);
-  CHECK_THROWS_WITH(attn::scaled_dot_product_attention_into(q_view, k_view, v_view, out_over_q),
+  CHECK_THROWS_WITH((attn::scaled_dot_product_attention_into<float, Eigen::half, Eigen::half>(
+                        q_view, k_view, v_view, out_over_q)),
                     Catch::Matchers::Contains("scaled_dot_product_attention") &&
                         Catch::Matchers::Contains("out overlaps q"));
   // A separate output is fine: every query sees equal scores, so the output is v's 1.0.
   std::vector<Eigen::half> out(2 * 8);
-  attn::scaled_dot_product_attention_into(q_view, k_view, v_view,
-                                          attn::bhld_view(out.data(), 1, 1, 2, 8));
+  attn::scaled_dot_product_attention_into<float, Eigen::half, Eigen::half>(
+      q_view, k_view, v_view, attn::bhld_view(out.data(), 1, 1, 2, 8));
   for (const Eigen::half value : out)
     CHECK(static_cast<float>(value) == 1.0f);
 }

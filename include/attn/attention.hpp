@@ -228,36 +228,20 @@ AttentionOutputs<SO> attention_outputs(const char* function, const HeadsView<con
 /// weights must be empty; `logsumexp` is packed_view() of (Hq, Tq) with cu_seqlens_q. Work
 /// items never cross a sequence: the result is bitwise that of calling each sequence on its
 /// own with the same algorithm and tiles (docs/packed.md).
-template <class T>
+///
+/// Storage: q as TQ, k and v as TKV, out as TO, all with TQ's compute scalar (double mixes with
+/// nothing). TQ is deduced from a view of const data or named (`<float>` for views of
+/// mutable data); TKV and TO default to TQ and are named for mixed storage, e.g.
+/// `scaled_dot_product_attention_into<float, Eigen::half>(q, k, v, out)` for float q and out
+/// against a half KV cache.
+template <class TQ, class TKV = TQ, class TO = TQ>
 void scaled_dot_product_attention_into(
-    const HeadsView<const T>& q,                                 // (B, Hq, Lq, D)
-    const HeadsView<const T>& k,                                 // (B, Hkv, Lk, D)
-    const HeadsView<const T>& v,                                 // (B, Hkv, Lk, Dv)
-    const AttentionOutputViews<detail::identity_t<T>>& outputs,  // out (B, Hq, Lq, Dv), ...
-    const AttentionOptions<compute_scalar_t<T>>& options = {}) {
-  detail::attention_into<T, T, T>("scaled_dot_product_attention", q, k, v, outputs, options);
-}
-
-/// Mixed storage, e.g. float q and out against a 16-bit KV cache: q as TQ, k and v as TKV,
-/// out as TO, all with the same compute scalar (double mixes with nothing).
-template <class TQ, class TKV, class TO,
-          class = std::enable_if_t<!(std::is_same_v<TQ, TKV> && std::is_same_v<TQ, TO>)>>
-void scaled_dot_product_attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
-                                       const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
-                                       const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
-                                       const AttentionOutputViews<TO>& outputs,
-                                       const AttentionOptions<compute_scalar_t<TQ>>& options = {}) {
+    const HeadsView<const TQ>& q,                                 // (B, Hq, Lq, D)
+    const detail::identity_t<HeadsView<const TKV>>& k,            // (B, Hkv, Lk, D)
+    const detail::identity_t<HeadsView<const TKV>>& v,            // (B, Hkv, Lk, Dv)
+    const detail::identity_t<AttentionOutputViews<TO>>& outputs,  // out (B, Hq, Lq, Dv), ...
+    const AttentionOptions<compute_scalar_t<TQ>>& options = {}) {
   detail::attention_into<TQ, TKV, TO>("scaled_dot_product_attention", q, k, v, outputs, options);
-}
-template <class TQ, class TKV, class TO,
-          class = std::enable_if_t<!(std::is_same_v<TQ, TKV> && std::is_same_v<TQ, TO>)>>
-void scaled_dot_product_attention_into(const HeadsView<const TQ>& q,   // (B, Hq, Lq, D)
-                                       const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
-                                       const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
-                                       const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
-                                       const AttentionOptions<compute_scalar_t<TQ>>& options = {}) {
-  detail::attention_into<TQ, TKV, TO>("scaled_dot_product_attention", q, k, v,
-                                      AttentionOutputViews<TO>(out), options);
 }
 
 /// Batched attention on rank-4 row-major tensors or tensor maps (B, H, L, D).
