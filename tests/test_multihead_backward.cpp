@@ -171,8 +171,8 @@ TEST_CASE("MultiHeadAttention::backward with dropout agrees with finite differen
   mha.load_state_dict(state);
   attn::MultiHeadForwardOptions<T> options;
   options.is_causal = true;
-  options.dropout_p = 0.3;
-  options.dropout_seed = 42;
+  options.attention.dropout_p = 0.3;
+  options.attention.dropout_seed = 42;
   const auto loss = [&](const attn::MultiHeadAttention<T>& m, const attn::Tensor<T, 3>& in) {
     const attn::Tensor<T, 3> y = m.forward(in, options).output;
     double sum = 0;
@@ -282,11 +282,13 @@ TEST_CASE("MultiHeadAttention::forward_train and backward validate their inputs"
                       "MultiHeadAttention::forward_train: need_weights must be false: the "
                       "attention weights are not differentiated (call forward() for them)");
   options.need_weights = false;
-  options.dropout_p = 1.0;
+  options.attention.dropout_p = 1.0;
   REQUIRE_THROWS_WITH(mha.forward_train(x, options),
-                      "MultiHeadAttention::forward_train: dropout_p is 1: must lie in [0, 1)");
+                      "MultiHeadAttention::forward_train: options.attention.dropout_p is 1: must "
+                      "lie in [0, 1)");
   REQUIRE_THROWS_WITH(mha.forward(x, options),
-                      "MultiHeadAttention::forward: dropout_p is 1: must lie in [0, 1)");
+                      "MultiHeadAttention::forward: options.attention.dropout_p is 1: must lie in "
+                      "[0, 1)");
   attn::Tensor<float, 3> bad(2, 3, 6);
   REQUIRE_THROWS_WITH(mha.forward_train(bad),
                       Catch::StartsWith("MultiHeadAttention::forward_train: "

@@ -24,6 +24,8 @@
 //   is_causal         top-left causal: query i sees keys j <= i (keys appended by
 //                     add_bias_kv / add_zero_attn stay visible, as torch pads its mask)
 // A (B*H, L, S) mask is indexed [b * H + h] as in PyTorch.
+// options.attention (AttentionOptions, SDPA's conventions) adds the attention's own options
+// on top: window, ALiBi, softcap, sinks, mods, scale, kernel, dropout (see arguments.hpp).
 // A query row that sees no key outputs zeros (the library's rule; torch returns NaN).
 //
 // Weight layouts (PyTorch state_dict names, (out x in) as in torch):

@@ -15,6 +15,7 @@
 
 #include "attn/config.hpp"
 #include "attn/mask.hpp"
+#include "attn/options.hpp"
 #include "attn/precision.hpp"
 #include "attn/rope.hpp"
 #include "attn/tensor.hpp"
@@ -72,11 +73,15 @@ struct MultiHeadForwardOptions {
   bool is_causal = false;          ///< top-left causal mask (query i sees keys j <= i)
   bool need_weights = false;       ///< also return the attention weights (torch's default is true)
   bool average_attn_weights = true;  ///< weights averaged over heads (B, L, S') or per head
-  /// Attention dropout (torch's `dropout`, applied here whenever it is > 0: pass 0 for
-  /// evaluation): each weight dropped with probability dropout_p, the kept ones scaled by
-  /// 1 / (1 - dropout_p), by the rule of attn/dropout.hpp (seeded, not torch's generator).
-  double dropout_p = 0;
-  std::uint64_t dropout_seed = 0;  ///< the dropout's seed (docs/training.md#dropout)
+  /// The attention's own options (attn/options.hpp), applied on top of the masks above:
+  /// a window, sink tokens, ALiBi slopes, softcap, learned sinks, score_mod / mask_mod /
+  /// block_mask, the scale, the kernel, and torch's `dropout` (applied whenever
+  /// attention.dropout_p > 0: pass 0 for evaluation; attn/dropout.hpp's seeded rule, not
+  /// torch's generator). causal (any alignment) replaces is_causal. Not keep_mask, bias,
+  /// key_lengths or query_lengths: the module's masks say that (they are refused). With
+  /// add_bias_kv or add_zero_attn the options that depend on key positions (causal, window,
+  /// sink tokens, ALiBi, the mods) are refused: they would also see the appended keys.
+  AttentionOptions<compute_scalar_t<T>> attention;
 };
 
 /// The result of a forward call.
@@ -119,9 +124,9 @@ struct MultiHeadAttentionContext {
   Tensor<T, 3> value;               ///< (B, S, vdim); empty for self-attention
   MultiHeadWorkspace<T> workspace;  ///< projections (qkv, or q and kv), attn, keep, bias
   Tensor<compute_scalar_t<T>, 3> logsumexp;  ///< (B, H, L) of the attention
-  Causal causal = Causal::none;              ///< the attention's causal mask
-  double dropout_p = 0;
-  std::uint64_t dropout_seed = 0;
+  /// The attention's options as the forward used them, without the keep-mask and bias
+  /// (those live in the workspace; the backward points at them again).
+  AttentionOptions<compute_scalar_t<T>> attention;
   bool empty() const { return module == nullptr; }
 };
 
@@ -153,6 +158,8 @@ struct MultiHeadAttentionGradients {
   /// each parameter): in_proj_weight or q/k/v_proj_weight, in_proj_bias, bias_k, bias_v,
   /// out_proj.weight, out_proj.bias, as the module has them.
   StateDict<T> parameters;
+  /// (H) the gradient of options.attention.sinks when the forward had sinks; else empty.
+  std::vector<compute_scalar_t<T>> dsinks;
 };
 
 }  // namespace attn

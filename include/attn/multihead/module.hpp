@@ -179,14 +179,17 @@ class MultiHeadAttention {
   /// the gradients of the inputs (dquery, and dkey, dvalue unless self-attention) and of
   /// every parameter, keyed as state_dict() (torch's .grad). Differentiates every forward
   /// option: masks, is_causal, add_bias_kv (bias_k, bias_v get gradients), add_zero_attn,
-  /// grouped-query heads, rotary (the gradients rotated back), dropout (the same mask).
+  /// grouped-query heads, rotary (the gradients rotated back), and options.attention:
+  /// dropout (the same mask), window, ALiBi, softcap, mask_mod / block_mask, learned sinks
+  /// (their gradient in grads.dsinks). forward_train refuses a score_mod.
   MultiHeadAttentionGradients<T> backward(const MultiHeadAttentionContext<T>& context,
                                           const Tensor<T, 3>& doutput) const;  // (B, L, E)
 
   /// backward() into `grads`. accumulate = false overwrites it; true adds the parameter
   /// gradients to those already in grads.parameters (torch's .grad over several backward
   /// calls: micro-batches, a module applied twice), which must then have state_dict()'s
-  /// names and shapes. The input gradients are always overwritten (they belong to this call).
+  /// names and shapes (and dsinks the forward's sinks count). The input gradients are always
+  /// overwritten (they belong to this call). A throw leaves grads as they were.
   void backward_into(const MultiHeadAttentionContext<T>& context,
                      const Tensor<T, 3>& doutput,  // (B, L, E)
                      MultiHeadAttentionGradients<T>& grads, bool accumulate = false) const;
@@ -239,11 +242,9 @@ class MultiHeadAttention {
     const HeadsView<T> kv = layout.k_view(kv_buffer), vv = layout.v_view(kv_buffer);
 
     // Masks, translated to the SDPA conventions (keep-mask: true = may attend).
-    AttentionOptions<C> attention;
+    AttentionOptions<C> attention = options.attention;
     build_masks(options, batch, q_length, k_length, kv_length, workspace, attention,
                 logsumexp != nullptr);
-    attention.dropout_p = static_cast<C>(options.dropout_p);
-    attention.dropout_seed = options.dropout_seed;
 
     // pass 2: attention, written as (B, L, H, D) = (B, L, E).
     workspace.attn.resize(batch * q_length, e);
@@ -417,11 +418,7 @@ class MultiHeadAttention {
                         detail::shape_string({config_.embed_dim, config_.kdim, config_.vdim}) +
                         ": widths differ");
     }
-    if (!(options.dropout_p >= 0 && options.dropout_p < 1)) {
-      detail::throw_invalid_argument(
-          function,
-          "dropout_p is " + detail::number_string(options.dropout_p) + ": must lie in [0, 1)");
-    }
+    check_attention_options(function, options);
     check_masks(function, options, query.dimension(0), query.dimension(1), key.dimension(1),
                 shapes);
   }
@@ -457,6 +454,11 @@ class MultiHeadAttention {
   template <class Shapes>
   void check_masks(const char* function, const MultiHeadForwardOptions<T>& options, Index batch,
                    Index q_length, Index k_length, const Shapes& shapes) const;
+  /// Throws if options.attention sets what the module's masks say (keep_mask, bias, lengths),
+  /// causal beside is_causal, a position-dependent option beside appended keys, or a
+  /// dropout_p outside [0, 1).
+  void check_attention_options(const char* function,
+                               const MultiHeadForwardOptions<T>& options) const;
   template <class U, class Shapes>
   void check_attn_mask(const char* function, const char* name, const MaskArg<U>& m, Index batch,
                        Index q_length, Index k_length, const Shapes& shapes) const;

@@ -158,6 +158,51 @@ void MultiHeadAttention<T>::check_masks(const char* function,
 }
 
 template <class T>
+void MultiHeadAttention<T>::check_attention_options(
+    const char* function, const MultiHeadForwardOptions<T>& options) const {
+  const AttentionOptions<C>& a = options.attention;
+  const auto refuse = [&](const char* name, const char* why) {
+    detail::throw_invalid_argument(function,
+                                   std::string("options.attention.") + name + " is set: " + why);
+  };
+  const char* use_masks = "give key_padding_mask, attn_mask or float_attn_mask instead";
+  if (!a.keep_mask.empty())
+    refuse("keep_mask", use_masks);
+  if (!a.bias.empty())
+    refuse("bias", use_masks);
+  if (!a.key_lengths.empty())
+    refuse("key_lengths", "give key_padding_mask instead");
+  if (!a.query_lengths.empty())
+    refuse("query_lengths", "the module attends every query row (mask the loss instead)");
+  if (options.is_causal && a.causal != Causal::none)
+    refuse("causal", "is_causal is set too: give one of them");
+  if (config_.add_bias_kv || config_.add_zero_attn) {
+    const char* appended =
+        "add_bias_kv or add_zero_attn appends keys it would see as positions (use attn_mask)";
+    if (a.causal != Causal::none)
+      refuse("causal", appended);
+    if (a.window.left >= 0 || a.window.right >= 0)
+      refuse("window", appended);
+    if (a.sink_tokens != 0)
+      refuse("sink_tokens", appended);
+    if (!a.alibi_slopes.empty())
+      refuse("alibi_slopes", appended);
+    if (a.score_mod)
+      refuse("score_mod", appended);
+    if (a.mask_mod)
+      refuse("mask_mod", appended);
+    if (!a.block_mask.empty())
+      refuse("block_mask", appended);
+  }
+  if (!(a.dropout_p >= 0 && a.dropout_p < 1)) {
+    detail::throw_invalid_argument(function,
+                                   "options.attention.dropout_p is " +
+                                       detail::number_string(static_cast<double>(a.dropout_p)) +
+                                       ": must lie in [0, 1)");
+  }
+}
+
+template <class T>
 template <class U, class Shapes>
 void MultiHeadAttention<T>::check_attn_mask(const char* function, const char* name,
                                             const MaskArg<U>& m, Index batch, Index q_length,

@@ -40,6 +40,10 @@ MultiHeadAttentionTrainingOutput<T> MultiHeadAttention<T>::forward_train(
         "need_weights must be false: the attention weights are not differentiated "
         "(call forward() for them)");
   }
+  if (options.attention.score_mod) {
+    detail::throw_invalid_argument(
+        function, "options.attention.score_mod is set: a score_mod is forward only (no backward)");
+  }
   MultiHeadAttentionTrainingOutput<T> train;
   MultiHeadAttentionContext<T>& c = train.context;
   MultiHeadAttentionOutput<T> result;
@@ -52,9 +56,9 @@ MultiHeadAttentionTrainingOutput<T> MultiHeadAttention<T>::forward_train(
     c.key = key;
     c.value = value;
   }
-  c.causal = attention.causal;
-  c.dropout_p = options.dropout_p;
-  c.dropout_seed = options.dropout_seed;
+  c.attention = attention;  // the keep-mask and bias point into c.workspace: dropped here
+  c.attention.keep_mask = {};
+  c.attention.bias = {};
   c.module = this;
   return train;
 }
@@ -93,21 +97,34 @@ void MultiHeadAttention<T>::backward_into(const MultiHeadAttentionContext<T>& co
                                    "accumulate is true but grads.parameters has names "
                                    "state_dict() does not have");
   }
+  if (grads.dsinks.size() != context.attention.sinks.size()) {
+    detail::throw_invalid_argument(
+        function, "accumulate is true but grads.dsinks has " + std::to_string(grads.dsinks.size()) +
+                      " entries and the forward had " +
+                      std::to_string(context.attention.sinks.size()) + " sinks");
+  }
   StateDict<T> previous = std::move(grads.parameters);
-  backward_impl(context, doutput, grads);
+  const std::vector<C> previous_dsinks = grads.dsinks;
+  try {
+    backward_impl(context, doutput, grads);
+  } catch (...) {  // a throw leaves the accumulated gradients as they were
+    grads.parameters = std::move(previous);
+    throw;
+  }
   for (auto& [name, t] : grads.parameters) {
     const std::vector<T>& old = previous.at(name).data;
     for (std::size_t i = 0; i < t.data.size(); ++i)
       t.data[i] = static_cast<T>(t.data[i] + old[i]);
   }
+  for (std::size_t h = 0; h < grads.dsinks.size(); ++h)
+    grads.dsinks[h] += previous_dsinks[h];
 }
 
 template <class T>
 auto MultiHeadAttention<T>::backward_attention_options(const MultiHeadAttentionContext<T>& context)
     -> AttentionOptions<C> {
   const MultiHeadWorkspace<T>& ws = context.workspace;
-  AttentionOptions<C> attention;
-  attention.causal = context.causal;
+  AttentionOptions<C> attention = context.attention;
   if (ws.keep.size() > 0) {
     attention.keep_mask = Broadcast<bool>(
         ws.keep.data(),
@@ -117,8 +134,6 @@ auto MultiHeadAttention<T>::backward_attention_options(const MultiHeadAttentionC
     attention.bias = Broadcast<C>(ws.bias.data(), {ws.bias.dimension(0), ws.bias.dimension(1),
                                                    ws.bias.dimension(2), ws.bias.dimension(3)});
   }
-  attention.dropout_p = static_cast<C>(context.dropout_p);
-  attention.dropout_seed = context.dropout_seed;
   return attention;
 }
 
@@ -232,10 +247,14 @@ void MultiHeadAttention<T>::backward_impl(const MultiHeadAttentionContext<T>& co
   const HeadsView<T> dqv = layout.q_view(layout.q_buffer(d_qkv.data(), d_q.data()));
   const HeadsView<T> dkv = layout.k_view(d_qkv.data()), dvv = layout.v_view(d_qkv.data());
   const AttentionOptions<C> attention = backward_attention_options(context);
+  AttentionGradientViews<T> attention_grads{dqv, dkv, dvv};
+  std::vector<C> dsinks(attention.sinks.size(), C(0));
+  if (!dsinks.empty())
+    attention_grads.dsinks.emplace(dsinks.data(), static_cast<Index>(dsinks.size()));
   scaled_dot_product_attention_backward_into<T>(
       qv, kv, vv, blhd_view(static_cast<const T*>(ws.attn.data()), batch, q_length, heads, d),
       bhl_view(context.logsumexp),
-      blhd_view(static_cast<const T*>(d_attn.data()), batch, q_length, heads, d), {dqv, dkv, dvv},
+      blhd_view(static_cast<const T*>(d_attn.data()), batch, q_length, heads, d), attention_grads,
       attention);
   if (has_rotary()) {  // the transpose of the forward's rotation, at the same positions
     rotary_.apply_backward(dqv);
@@ -243,6 +262,7 @@ void MultiHeadAttention<T>::backward_impl(const MultiHeadAttentionContext<T>& co
   }
 
   // The appended rows: bias_k / bias_v collect their rows' gradients; zero rows have none.
+  grads.dsinks = std::move(dsinks);
   StateDict<T>& p = grads.parameters;
   p.clear();
   const auto put = [&](const std::string& name, std::vector<Index> shape, const T* data) {
