@@ -5,6 +5,7 @@
 // FAVOR+ against softmax attention, NaN propagation and every validation error.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -652,6 +653,51 @@ TEST_CASE("linear attention rejects what SDPA rejects, and masks it cannot apply
   attn::Vector<float> wrong(4);
   REQUIRE_THROWS_WITH(state.query_into(x4, wrong),
                       "LinearAttentionState::query: out has 4 elements but Dv = 3");
+}
+
+TEST_CASE("plan_linear_attention chooses the chunk, the work items and the threads",
+          "[linear][plan]") {
+  // B 2, Hq 8, Hkv 2, Lq 100, Lk 300, M 32 features, Dv 24.
+  attn::LinearAttentionShape shape{2, 8, 2, 100, 300, 32, 24, true};
+  const attn::LinearPlan forward = attn::plan_linear_attention(shape, 0);
+  CHECK(forward.chunk == attn::default_linear_chunk);
+  CHECK(forward.work_items == 4);  // B * Hkv
+  CHECK(forward.flops == 4.0 * 16 * 300 * 32 * 25);
+  CHECK(forward.parallel == (forward.flops > attn::parallel_flops));
+  CHECK(forward.threads == (forward.parallel ? std::min(attn::detail::max_threads(), 4) : 1));
+  const attn::LinearPlan backward = attn::plan_linear_attention(shape, 5, true);
+  CHECK(backward.chunk == 5);
+  CHECK(backward.flops == 2.5 * forward.flops);
+  CHECK(backward.describe() ==
+        "linear backward (causal): chunks of 5 rows; 4 work items (B * Hkv) on " +
+            std::to_string(backward.threads) + (backward.threads == 1 ? " thread" : " threads"));
+  // Too small to pay for a parallel region; one item never opens one.
+  shape.q_length = shape.k_length = 4;
+  CHECK_FALSE(attn::plan_linear_attention(shape, 0).parallel);
+  CHECK(attn::plan_linear_attention(shape, 0).threads == 1);
+  shape = {1, 64, 1, 4096, 4096, 64, 64, false};
+  CHECK_FALSE(attn::plan_linear_attention(shape, 0).parallel);
+  CHECK(attn::plan_linear_attention(shape, 0).describe().rfind("linear forward (non-causal)", 0) ==
+        0);
+  REQUIRE_THROWS_WITH(attn::plan_linear_attention(shape, -3),
+                      "plan_linear_attention: chunk is -3: must be >= 0 (0 = default)");
+
+  // linear_attention runs the plan's chunk: chunk 0 gives the bits of default_linear_chunk.
+  attn::Tensor<float, 4> q(1, 2, 70, 8), k(1, 1, 70, 8), v(1, 1, 70, 8);
+  std::mt19937 rng(3u);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (attn::Tensor<float, 4>* t : {&q, &k, &v})
+    for (Index n = 0; n < t->size(); ++n)
+      t->data()[n] = normal(rng);
+  attn::LinearAttentionOptions<float> options;
+  options.causal = attn::Causal::top_left;
+  const attn::Tensor<float, 4> by_default = attn::linear_attention(q, k, v, options);
+  options.chunk = attn::default_linear_chunk;
+  const attn::Tensor<float, 4> named = attn::linear_attention(q, k, v, options);
+  options.chunk = 7;
+  const attn::Tensor<float, 4> other = attn::linear_attention(q, k, v, options);
+  CHECK(std::equal(by_default.data(), by_default.data() + by_default.size(), named.data()));
+  CHECK_FALSE(std::equal(by_default.data(), by_default.data() + by_default.size(), other.data()));
 }
 
 #if ATTN_HAS_OPENMP

@@ -3,7 +3,8 @@
 // plan_attention() turns the problem (shapes, scalar, options) and the CPU into a
 // KernelPlan: the algorithm, the instruction set of its products, the tiles and the work
 // items. scaled_dot_product_attention, KVCache::attend and MultiHeadAttention all run
-// through it; describe() says what was chosen:
+// through it (linear attention through plan_linear_attention(), the GEMM and RoPE through
+// plan_gemm() and plan_rope()); describe() says what was chosen:
 //
 //   attn::plan_attention<float>({1, 8, 8, 4096, 4096, 64, 64}, options).describe()
 //   "flash on avx512 (float): query tiles of 128, key tiles of 256; 256 work items
@@ -353,6 +354,63 @@ KernelPlan plan_backward(const AttentionShape& shape, const AttentionOptions<T>&
   plan.key_tile = options.key_tile > 0 ? options.key_tile : default_backward_key_tile;
   plan.work_items = shape.batch * shape.kv_heads;
   detail::plan_threads(plan, detail::attention_flops(shape));
+  return plan;
+}
+
+/// Default rows per chunk of linear attention's causal prefix sums (and of every pass over q
+/// and k), the fastest in bench/bench_linear.cpp (docs/performance.md, "Tuning choices");
+/// non-causal attention does not depend on it.
+inline constexpr Index default_linear_chunk = 16;
+
+/// The shape of one linear attention problem (attn/linear_attention.hpp): q (B, Hq, Lq, D),
+/// k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), and M features per row of phi(q) and phi(k).
+struct LinearAttentionShape {
+  Index batch = 0, q_heads = 0, kv_heads = 0, q_length = 0, k_length = 0, features = 0,
+        value_dim = 0;
+  bool causal = false;  ///< chunked prefix sums (else one pass of key sums)
+};
+
+/// How one linear attention call (forward or backward) runs: its chunk, its (b, kv head)
+/// work items and the threads. Each item runs on one thread in one order, so the result
+/// does not depend on the thread count.
+struct LinearPlan {
+  bool backward = false;
+  bool causal = false;
+  Index chunk = 0;       ///< rows per chunk of every pass over q and k
+  Index work_items = 0;  ///< B * Hkv
+  double flops = 0;      ///< the call's multiply-adds counted twice (the parallel rule's input)
+  bool parallel = false;
+  int threads = 1;
+
+  std::string describe() const {
+    return std::string("linear ") + (backward ? "backward" : "forward") + " (" +
+           (causal ? "causal" : "non-causal") + "): chunks of " + std::to_string(chunk) +
+           " rows; " + std::to_string(work_items) + " work items (B * Hkv) on " +
+           std::to_string(threads) + (threads == 1 ? " thread" : " threads");
+  }
+};
+
+/// The plan of linear attention's forward (or its backward, about 2.5 times the FLOPs:
+/// 10 B Hq max(Lq, Lk) M (Dv + 1) against 4): `chunk` rows per chunk, 0 = default_linear_chunk.
+/// Throws std::invalid_argument (naming `function`) for a negative chunk.
+inline LinearPlan plan_linear_attention(const LinearAttentionShape& shape, Index chunk,
+                                        bool backward = false,
+                                        const char* function = "plan_linear_attention") {
+  if (chunk < 0) {
+    detail::throw_invalid_argument(
+        function, "chunk is " + std::to_string(chunk) + ": must be >= 0 (0 = default)");
+  }
+  LinearPlan plan;
+  plan.backward = backward;
+  plan.causal = shape.causal;
+  plan.chunk = chunk > 0 ? chunk : default_linear_chunk;
+  plan.work_items = shape.batch * shape.kv_heads;
+  plan.flops = (backward ? 10.0 : 4.0) * static_cast<double>(shape.batch * shape.q_heads) *
+               static_cast<double>(std::max(shape.q_length, shape.k_length)) *
+               static_cast<double>(shape.features) * static_cast<double>(shape.value_dim + 1);
+  plan.parallel = detail::runs_parallel(plan.work_items, plan.flops);
+  plan.threads =
+      plan.parallel ? static_cast<int>(std::min<Index>(detail::max_threads(), plan.work_items)) : 1;
   return plan;
 }
 

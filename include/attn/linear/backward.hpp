@@ -498,19 +498,17 @@ void linear_attention_backward_into(const HeadsView<const T>& q,     // (B, Hq, 
                                       {"dv", HeadsView<const T>(dv)}});
 
   const Index features = map.features(q.dim);
-  const Index chunk = options.chunk > 0 ? options.chunk : default_linear_chunk;
-  const bool causal = options.causal != Causal::none;
+  const LinearPlan plan = detail::plan_linear_call(function, q, k, v, options, true);
+  const Index chunk = plan.chunk;
+  const bool causal = plan.causal;
   const Index group = k.heads == 0 ? 1 : q.heads / k.heads;
-  const double flops = 10.0 * static_cast<double>(q.batch * q.heads) *
-                       static_cast<double>(std::max(q.length, k.length)) *
-                       static_cast<double>(features) * static_cast<double>(v.dim + 1);
   const auto make_workspace = [&] {  // one per thread
     detail::LinearBackwardWorkspace<T> ws;
     ws.reserve(chunk, features, v.dim, causal, group * q.length);
     return ws;
   };
   detail::for_each_kv_head(
-      q, k, options, flops, make_workspace,
+      k, options, plan, make_workspace,
       [&](Index b, Index g, Index key_length, detail::LinearBackwardWorkspace<T>& ws) {
         detail::linear_backward_kv_head(q, k, v, dout, dq, dk, dv, map, b, g, group, key_length,
                                         options.causal, chunk, options.eps, ws);

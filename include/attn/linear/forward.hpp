@@ -23,11 +23,6 @@
 
 namespace attn {
 
-/// Default rows per chunk of the causal prefix sums (and of every pass over q and k), the
-/// fastest in bench/bench_linear.cpp (docs/performance.md, "Tuning choices"); non-causal
-/// attention does not depend on it.
-inline constexpr Index default_linear_chunk = 16;
-
 /// Everything about a linear attention call except the tensors.
 template <class T>
 struct LinearAttentionOptions {
@@ -36,7 +31,7 @@ struct LinearAttentionOptions {
   std::vector<Index> key_lengths;  ///< (B) valid keys per batch entry; empty = all
   T eps = T(1e-6);                 ///< added to every normaliser phi(q_i) . z; with eps = 0 a
                                    ///< row whose normaliser is 0 gives NaN, not 0
-  Index chunk = 0;                 ///< rows per chunk; 0 = default_linear_chunk
+  Index chunk = 0;                 ///< rows per chunk; 0 = the plan's (default_linear_chunk)
   /// Not supported by linear attention: must stay empty. Present so that options carried
   /// over from scaled_dot_product_attention fail loudly instead of being ignored.
   Broadcast<bool> keep_mask;
@@ -204,10 +199,6 @@ void check_linear_options(const char* function, const LinearAttentionOptions<T>&
     throw_invalid_argument(function,
                            "eps is " + std::to_string(options.eps) + ": must be finite and >= 0");
   }
-  if (options.chunk < 0) {
-    throw_invalid_argument(
-        function, "chunk is " + std::to_string(options.chunk) + ": must be >= 0 (0 = default)");
-  }
   const FeatureMap<T>& map = options.feature_map;
   if (map.kind() == FeatureKind::favor_plus && map.projection().cols() != q.dim) {
     throw_invalid_argument(function,
@@ -220,15 +211,26 @@ void check_linear_options(const char* function, const LinearAttentionOptions<T>&
                 options.key_lengths, {}, {});
 }
 
-/// body(b, kv head, n_k(b), workspace) for every (b, kv head) item of a call of `flops`
-/// FLOPs, on the OpenMP threads when plan.hpp's rule says so (kernels/item_loop.hpp): each
-/// item is computed by one thread in one order, so any thread count gives the same bits.
+/// The plan of a linear attention call on these views (attn/plan.hpp).
+template <class T>
+LinearPlan plan_linear_call(const char* function, const HeadsView<const T>& q,
+                            const HeadsView<const T>& k, const HeadsView<const T>& v,
+                            const LinearAttentionOptions<T>& options, bool backward) {
+  const LinearAttentionShape shape{q.batch,  q.heads,
+                                   k.heads,  q.length,
+                                   k.length, options.feature_map.features(q.dim),
+                                   v.dim,    options.causal != Causal::none};
+  return plan_linear_attention(shape, options.chunk, backward, function);
+}
+
+/// body(b, kv head, n_k(b), workspace) for every (b, kv head) item of `plan`, on the OpenMP
+/// threads when it is parallel (kernels/item_loop.hpp): each item is computed by one thread
+/// in one order, so any thread count gives the same bits.
 template <class T, class MakeWorkspace, class Body>
-void for_each_kv_head(const HeadsView<const T>& q, const HeadsView<const T>& k,
-                      const LinearAttentionOptions<T>& options, double flops,
-                      const MakeWorkspace& make_workspace, const Body& body) {
-  const Index items = q.batch * k.heads;
-  for_each_item(items, runs_parallel(items, flops), make_workspace, [&](Index item, auto& ws) {
+void for_each_kv_head(const HeadsView<const T>& k, const LinearAttentionOptions<T>& options,
+                      const LinearPlan& plan, const MakeWorkspace& make_workspace,
+                      const Body& body) {
+  for_each_item(plan.work_items, plan.parallel, make_workspace, [&](Index item, auto& ws) {
     const Index b = item / k.heads;
     const Index key_length =
         options.key_lengths.empty() ? k.length : options.key_lengths[static_cast<std::size_t>(b)];
@@ -256,18 +258,16 @@ void linear_attention_into(const HeadsView<const T>& q,  // (B, Hq, Lq, D)
 
   const FeatureMap<T>& map = options.feature_map;
   const Index features = map.features(q.dim);
-  const Index chunk = options.chunk > 0 ? options.chunk : default_linear_chunk;
-  const bool causal = options.causal != Causal::none;
+  const LinearPlan plan = detail::plan_linear_call(function, q, k, v, options, false);
+  const Index chunk = plan.chunk;
+  const bool causal = plan.causal;
   const Index group = k.heads == 0 ? 1 : q.heads / k.heads;
-  const double flops = 4.0 * static_cast<double>(q.batch * q.heads) *
-                       static_cast<double>(std::max(q.length, k.length)) *
-                       static_cast<double>(features) * static_cast<double>(v.dim + 1);
   const auto make_workspace = [&] {  // one per thread
     detail::LinearWorkspace<T> ws;
     ws.reserve(chunk, features, v.dim, causal);
     return ws;
   };
-  detail::for_each_kv_head(q, k, options, flops, make_workspace,
+  detail::for_each_kv_head(k, options, plan, make_workspace,
                            [&](Index b, Index g, Index key_length, detail::LinearWorkspace<T>& ws) {
                              detail::linear_attention_kv_head(q, k, v, out, map, b, g, group,
                                                               key_length, options.causal, chunk,
