@@ -124,7 +124,8 @@ void BM_decode(benchmark::State& state) {
                                   kv_heads, k_length, dim);
   attn::AttentionOptions<float> options;
   options.causal = attn::Causal::bottom_right;
-  const attn::Mask<float> mask("bench_decode", 1, q_heads, q_length, k_length, options);
+  const attn::AttentionProblem<float> problem("bench_decode", 1, q_heads, q_length, k_length,
+                                              options);
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
   const auto run = [&](std::vector<float>& result, Kernel which) {
     const auto out_view = attn::bhld_view(result.data(), Index(1), q_heads, q_length, dim);
@@ -133,7 +134,7 @@ void BM_decode(benchmark::State& state) {
           attn::plan_attention<float>({1, q_heads, kv_heads, q_length, k_length, dim, dim},
                                       attn::Algorithm::decode, 0, 0, false);
       attn::detail::decode_attention<float, Eigen::half, Eigen::half>(
-          plan, qv, kh, vh, out_view, mask, scale, attn::detail::RowValues<float>{});
+          plan, qv, kh, vh, out_view, problem, scale, attn::detail::RowValues<float>{});
       return;
     }
     options.algorithm = which == Kernel::flash    ? attn::Algorithm::flash
@@ -236,7 +237,7 @@ void BM_decode_format(benchmark::State& state) {
   const auto qv = attn::bhld_view(static_cast<const float*>(q.data()), Index(1), q_heads, 1, dim);
   attn::AttentionOptions<float> options;
   options.causal = attn::Causal::bottom_right;
-  const attn::Mask<float> mask("bench_decode", 1, q_heads, 1, k_length, options);
+  const attn::AttentionProblem<float> problem("bench_decode", 1, q_heads, 1, k_length, options);
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
   const attn::KernelPlan plan = attn::plan_attention<float>(
       {1, q_heads, kv_heads, 1, k_length, dim, dim}, attn::Algorithm::decode, 0, 0, false);
@@ -248,7 +249,7 @@ void BM_decode_format(benchmark::State& state) {
         return attn::bhld_view(static_cast<const S*>(x.data()), Index(1), kv_heads, k_length,
                                units);
       };
-      attn::detail::decode_attention<float, S, S>(plan, qv, view(kk), view(vv), out_view, mask,
+      attn::detail::decode_attention<float, S, S>(plan, qv, view(kk), view(vv), out_view, problem,
                                                   scale, attn::detail::RowValues<float>{});
     };
     switch (format) {

@@ -152,9 +152,9 @@ bool run(const std::filesystem::path& out_dir) {
   // ---------------------------------------------------------------------------------
   heading("7. Causal mask (top-left: query i sees keys j <= i)");
   // The library's description of the mask, for one head: (B, H, Lq, Lk) = (1, 1, 3, 3).
-  attn::MaskOptions<double> top_left;
+  attn::VisibilityOptions top_left;
   top_left.causal = attn::Causal::top_left;
-  const attn::Mask<double> causal("walkthrough", 1, 1, 3, 3, top_left);
+  const attn::Mask causal("walkthrough", 1, 1, 3, 3, top_left);
   std::cout << "visible keys (1 = may attend), the tutorial's np.tril(np.ones((3, 3))):\n";
   for (Index i = 0; i < 3; ++i) {
     std::cout << "  [";
@@ -164,8 +164,8 @@ bool run(const std::filesystem::path& out_dir) {
     std::cout << " ]\n";
   }
   // Step by step: hidden keys become -inf (not -1e9), so softmax gives them exactly 0.
-  Mat causal_scores = scaled;               // (L, L)
-  causal.apply(0, 0, 0, 0, causal_scores);  // hidden -> -inf
+  Mat causal_scores = scaled;              // (L, L)
+  causal.hide(0, 0, 0, 0, causal_scores);  // hidden -> -inf
   print("masked scaled scores", causal_scores);
   const Mat causal_weights = attn::softmax_rows(causal_scores);  // (L, L)
   const Mat causal_output = causal_weights * V;                  // (L, Dv)

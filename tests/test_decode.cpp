@@ -40,7 +40,8 @@ std::vector<float> run_decode(const Problem& p, const Heads<float>& q, const Hea
                               std::vector<float>* lse = nullptr) {
   const attn_test::AttnOptions<float> o(p);
   const attn::AttentionOptions<float>& a = o.options;
-  const attn::Mask<float> mask("decode", p.batch, p.q_heads, p.q_length, p.k_length, a);
+  const attn::AttentionProblem<float> problem("decode", p.batch, p.q_heads, p.q_length, p.k_length,
+                                              a);
   Heads<float> out(p.batch, p.q_heads, p.q_length, p.value_dim);
   std::vector<float> l(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length));
   attn::KernelPlan plan = attn::plan_attention<float>(
@@ -49,7 +50,7 @@ std::vector<float> run_decode(const Problem& p, const Heads<float>& q, const Hea
   plan.split_keys = split_keys;
   plan.key_block = key_block;
   attn::detail::decode_attention<float, S>(
-      plan, q.cview(), k.cview(), v.cview(), out.view(), mask, static_cast<float>(*p.scale),
+      plan, q.cview(), k.cview(), v.cview(), out.view(), problem, static_cast<float>(*p.scale),
       attn::detail::padded_rows(l.data(), p.q_heads, p.q_length));
   if (lse != nullptr)
     *lse = l;

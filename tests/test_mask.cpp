@@ -4,8 +4,9 @@
 
 #include <random>
 #include <string>
+#include <utility>
 
-#include <attn/mask.hpp>
+#include <attn/problem.hpp>
 
 #include "support/fixtures.hpp"
 
@@ -45,7 +46,7 @@ TEST_CASE("mask visibility equals the fixtures' nonzero weights", "[mask]") {
                                                  ? std::vector<Index>{}
                                                  : c.at("key_lengths").get<std::vector<Index>>();
       const auto window = c.at("window").get<std::vector<Index>>();
-      attn::MaskOptions<double> options;
+      attn::VisibilityOptions options;
       options.causal = causal_from(c.at("causal"));
       options.window = {window[0], window[1]};
       options.key_lengths = key_lengths;
@@ -53,7 +54,7 @@ TEST_CASE("mask visibility equals the fixtures' nonzero weights", "[mask]") {
       if (!c.at("query_lengths").is_null())
         options.query_lengths = c.at("query_lengths").get<std::vector<Index>>();
       options.sink_tokens = c.at("sink_tokens").get<Index>();
-      const attn::Mask<double> mask("test", batch, heads, lq, lk, options);
+      const attn::Mask mask("test", batch, heads, lq, lk, options);
       const std::vector<double> weights = attn_test::values<double>(c.at("weights"));
       for (Index b = 0; b < batch; ++b) {
         for (Index h = 0; h < heads; ++h) {
@@ -76,7 +77,7 @@ TEST_CASE("tile classification agrees with element-wise visibility", "[mask]") {
   std::uniform_int_distribution<Index> length(1, 9), side(-1, 4), coin(0, 1);
   for (int trial = 0; trial < 300; ++trial) {
     const Index lq = length(rng), lk = length(rng), batch = 2;
-    const Causal causal = static_cast<Causal>(trial % 3);
+    const auto causal = static_cast<Causal>(trial % 3);
     const attn::Window window{side(rng), side(rng)};
     std::vector<Index> key_lengths;
     if (coin(rng) == 1)
@@ -85,9 +86,8 @@ TEST_CASE("tile classification agrees with element-wise visibility", "[mask]") {
     const bool with_keep = trial % 5 == 0;
     for (Index n = 0; n < keep.size(); ++n)
       keep.data()[n] = coin(rng) == 1;
-    const attn::Mask<float> mask("test", batch, 1, lq, lk, causal, window, key_lengths,
-                                 with_keep ? attn::Broadcast<bool>(keep) : attn::Broadcast<bool>(),
-                                 {});
+    const attn::Mask mask("test", batch, 1, lq, lk, causal, window, key_lengths,
+                          with_keep ? attn::Broadcast<bool>(keep) : attn::Broadcast<bool>());
     const Index tile_q = length(rng) % 4 + 1, tile_k = length(rng) % 4 + 1;
     for (Index b = 0; b < batch; ++b) {
       for (Index i0 = 0; i0 < lq; i0 += tile_q) {
@@ -140,10 +140,10 @@ TEST_CASE("tile classification agrees with element-wise visibility", "[mask]") {
 
 TEST_CASE("causal alignments agree when Lq == Lk, and window (-1, 0) is bottom-right causal",
           "[mask]") {
-  const attn::Mask<double> top("t", 1, 1, 6, 6, Causal::top_left, {}, {}, {}, {});
-  const attn::Mask<double> bottom("t", 1, 1, 6, 6, Causal::bottom_right, {}, {}, {}, {});
-  const attn::Mask<double> window("t", 1, 1, 4, 7, Causal::none, {-1, 0}, {}, {}, {});
-  const attn::Mask<double> bottom_47("t", 1, 1, 4, 7, Causal::bottom_right, {}, {}, {}, {});
+  const attn::Mask top("t", 1, 1, 6, 6, Causal::top_left, {});
+  const attn::Mask bottom("t", 1, 1, 6, 6, Causal::bottom_right, {});
+  const attn::Mask window("t", 1, 1, 4, 7, Causal::none, {-1, 0});
+  const attn::Mask bottom_47("t", 1, 1, 4, 7, Causal::bottom_right, {});
   for (Index i = 0; i < 6; ++i) {
     for (Index j = 0; j < 7; ++j) {
       if (j < 6)
@@ -158,12 +158,18 @@ TEST_CASE("causal alignments agree when Lq == Lk, and window (-1, 0) is bottom-r
   }
 }
 
-TEST_CASE("Mask::apply hides with -inf and adds the broadcast bias", "[mask]") {
+TEST_CASE("AttentionProblem::apply adds the broadcast bias, then the mask hides with -inf",
+          "[mask]") {
   attn::Tensor<double, 4> bias(1, 2, 1, 1);  // per-head constant
   bias.setValues({{{{0.5}}, {{-1.0}}}});
-  const attn::Mask<double> mask("t", 1, 2, 3, 4, Causal::top_left, {}, {}, {}, bias);
+  attn::ProblemOptions<double> options;
+  options.causal = Causal::top_left;
+  options.bias = bias;
+  const attn::AttentionProblem<double> problem("t", 1, 2, 3, 4, options);
+  REQUIRE(problem.modifies_scores());
+  REQUIRE_FALSE(problem.is_trivial());
   attn::Matrix<double> scores = attn::Matrix<double>::Constant(3, 4, 2.0);
-  mask.apply(0, 1, 0, 0, scores);
+  problem.apply(0, 1, 0, 0, scores);
   const double inf = std::numeric_limits<double>::infinity();
   attn::Matrix<double> expected(3, 4);
   expected << 1, -inf, -inf, -inf,  //
@@ -173,17 +179,50 @@ TEST_CASE("Mask::apply hides with -inf and adds the broadcast bias", "[mask]") {
 
   // A tile at an offset: queries 1..2, keys 2..3.
   attn::Matrix<double> tile = attn::Matrix<double>::Zero(2, 2);
-  mask.apply(0, 0, 1, 2, tile);
+  problem.apply(0, 0, 1, 2, tile);
   attn::Matrix<double> expected_tile(2, 2);
   expected_tile << -inf, -inf, 0.5, -inf;
   REQUIRE(tile == expected_tile);
+
+  // The mask alone hides and changes nothing else; a hidden +inf bias cannot leak.
+  attn::Matrix<double> visible = attn::Matrix<double>::Constant(3, 4, 2.0);
+  problem.mask().hide(0, 1, 0, 0, visible);
+  expected << 2, -inf, -inf, -inf,  //
+      2, 2, -inf, -inf,             //
+      2, 2, 2, -inf;
+  REQUIRE(visible == expected);
+  attn::Matrix<double> infinite = attn::Matrix<double>::Constant(3, 4, inf);
+  problem.mask().hide(0, 1, 0, 0, infinite);
+  REQUIRE(infinite(0, 1) == -inf);
+  REQUIRE(infinite(2, 2) == inf);
+  // A visible tile is not evaluated by the mask at all.
+  attn::Matrix<double> untouched = attn::Matrix<double>::Constant(3, 4, 2.0);
+  problem.mask().hide(0, 1, 0, 0, untouched, attn::TileVisibility::visible);
+  REQUIRE(untouched == attn::Matrix<double>::Constant(3, 4, 2.0));
+}
+
+TEST_CASE("a problem with no rules and no modifiers is trivial", "[mask]") {
+  attn::ProblemOptions<double> options;
+  options.sinks = {0.5, -0.5};
+  options.dropout_p = 0.25;
+  const attn::AttentionProblem<double> problem("t", 1, 2, 3, 4, options);
+  REQUIRE(problem.is_trivial());  // sinks and dropout are not masks
+  REQUIRE(problem.mask().hides_nothing());
+  REQUIRE(*problem.sink(1) == -0.5);
+  REQUIRE(problem.dropout().active());
+  options.softcap = 30.0;
+  REQUIRE_FALSE(attn::AttentionProblem<double>("t", 1, 2, 3, 4, options).is_trivial());
 }
 
 TEST_CASE("Mask rejects bad windows, key lengths and broadcast shapes", "[mask][errors]") {
   const auto make = [](attn::Window w, std::vector<Index> lengths, attn::Broadcast<bool> keep,
                        attn::Broadcast<float> bias) {
-    return attn::Mask<float>("scaled_dot_product_attention", 2, 3, 4, 5, Causal::none, w, lengths,
-                             keep, bias);
+    attn::ProblemOptions<float> options;
+    options.window = w;
+    options.key_lengths = std::move(lengths);
+    options.keep_mask = keep;
+    options.bias = bias;
+    return attn::AttentionProblem<float>("scaled_dot_product_attention", 2, 3, 4, 5, options);
   };
   REQUIRE_THROWS_WITH(make({-2, 0}, {}, {}, {}),
                       "scaled_dot_product_attention: window is (-2, 0): each side must be >= -1 "

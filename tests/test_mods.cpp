@@ -401,7 +401,7 @@ TEST_CASE("BlockMask classes equal brute force, and the rules classify alike", "
     for (const Index block : {1, 7, 16, 64}) {
       const Index lq = 100, lk = 130;
       struct Rule {
-        attn::MaskOptions<float> builtin;
+        attn::VisibilityOptions builtin;
         MaskMod mod;
       };
       std::vector<Rule> rules(3);
@@ -412,10 +412,10 @@ TEST_CASE("BlockMask classes equal brute force, and the rules classify alike", "
       rules[2].builtin.window = {9, 3};  // bottom-right aligned without a causal mask
       rules[2].mod = MaskMod(attn::gallery::sliding_window(9, 3, lk - lq));
       for (const Rule& rule : rules) {
-        const attn::Mask<float> builtin("test", 1, 1, lq, lk, rule.builtin);
-        attn::MaskOptions<float> modded;
+        const attn::Mask builtin("test", 1, 1, lq, lk, rule.builtin);
+        attn::VisibilityOptions modded;
         modded.block_mask = BlockMask(rule.mod, 1, 1, lq, lk, block, block);
-        const attn::Mask<float> by_blocks("test", 1, 1, lq, lk, modded);
+        const attn::Mask by_blocks("test", 1, 1, lq, lk, modded);
         for (Index i0 = 0; i0 < lq; i0 += block) {
           for (Index j0 = 0; j0 < lk; j0 += block) {
             const Index i1 = std::min(i0 + block, lq), j1 = std::min(j0 + block, lk);

@@ -1,5 +1,5 @@
 // Tests for per-sequence lengths, packed variable-length batches and sinks
-// (packed_view() through scaled_dot_product_attention_into, MaskOptions::query_lengths,
+// (packed_view() through scaled_dot_product_attention_into, VisibilityOptions::query_lengths,
 // sink_tokens, sinks):
 // packed equals each sequence alone bit for bit for every algorithm, and each sequence
 // equals the long double reference of support/reference.hpp within the kernels' bound;
@@ -281,22 +281,22 @@ TEST_CASE("ragged KVCache::attend in one call equals attending each sequence alo
 TEST_CASE("key lengths with bottom-right alignment measure each sequence's own diagonal",
           "[packed]") {
   // The KV-cache case the old rule got wrong: query i of sequence b sees j <= n_k(b) - Lq + i.
-  attn::MaskOptions<double> o;
+  attn::VisibilityOptions o;
   o.causal = Causal::bottom_right;
   o.key_lengths = {6, 3};
-  const attn::Mask<double> mask("test", 2, 1, 2, 6, o);
+  const attn::Mask mask("test", 2, 1, 2, 6, o);
   REQUIRE(mask.key_interval(0, 0) == std::array<Index, 2>{0, 5});
   REQUIRE(mask.key_interval(0, 1) == std::array<Index, 2>{0, 6});
   REQUIRE(mask.key_interval(1, 0) == std::array<Index, 2>{0, 2});  // not {0, 3}: 3 is padding
   REQUIRE(mask.key_interval(1, 1) == std::array<Index, 2>{0, 3});
   o.query_lengths = {2, 1};  // sequence 1 has one real query: it sits on key 2
-  const attn::Mask<double> ragged("test", 2, 1, 2, 6, o);
+  const attn::Mask ragged("test", 2, 1, 2, 6, o);
   REQUIRE(ragged.key_interval(1, 0) == std::array<Index, 2>{0, 3});
   REQUIRE(ragged.key_interval(1, 1) == std::array<Index, 2>{0, 0});  // a padding query
   o.window = {1, -1};
   o.sink_tokens = 1;
   o.query_lengths = {};
-  const attn::Mask<double> streaming("test", 2, 1, 2, 6, o);
+  const attn::Mask streaming("test", 2, 1, 2, 6, o);
   const auto intervals = streaming.key_intervals(0, 1);  // diagonal 5: keys 4, 5 and sink 0
   REQUIRE(intervals.count == 2);
   REQUIRE(intervals.interval[0] == std::array<Index, 2>{0, 1});

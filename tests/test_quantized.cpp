@@ -94,7 +94,8 @@ std::vector<float> run_stored(attn::Algorithm algorithm, const Problem& p, const
                               const Heads<float>& k, const Heads<float>& v, Index split_keys,
                               Index key_block, std::vector<float>* lse = nullptr) {
   const attn_test::AttnOptions<float> o(p);
-  const attn::Mask<float> mask("stored", p.batch, p.q_heads, p.q_length, p.k_length, o.options);
+  const attn::AttentionProblem<float> problem("stored", p.batch, p.q_heads, p.q_length, p.k_length,
+                                              o.options);
   const bool flash = algorithm == attn::Algorithm::flash;
   attn::KernelPlan plan = attn::plan_attention<float>(
       {p.batch, p.q_heads, p.kv_heads, p.q_length, p.k_length, p.dim, p.value_dim}, algorithm,
@@ -120,11 +121,11 @@ std::vector<float> run_stored(attn::Algorithm algorithm, const Problem& p, const
       blocks_view(vs, p.batch, p.kv_heads, p.k_length, p.value_dim / attn::values_per_unit_v<SV>);
   const auto lse_rows = attn::detail::padded_rows(l.data(), p.q_heads, p.q_length);
   if (flash) {
-    attn::detail::run_flash(plan, q.cview(), k_view, v_view, out.view(), mask,
+    attn::detail::run_flash(plan, q.cview(), k_view, v_view, out.view(), problem,
                             static_cast<float>(*p.scale), lse_rows);
   } else {
-    attn::detail::decode_attention<float, SK, SV>(plan, q.cview(), k_view, v_view, out.view(), mask,
-                                                  static_cast<float>(*p.scale), lse_rows);
+    attn::detail::decode_attention<float, SK, SV>(plan, q.cview(), k_view, v_view, out.view(),
+                                                  problem, static_cast<float>(*p.scale), lse_rows);
   }
   if (lse != nullptr)
     *lse = l;

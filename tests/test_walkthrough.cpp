@@ -219,8 +219,7 @@ TEST_CASE("the library reproduces every stage of the walkthrough", "[walkthrough
   }
 
   SECTION("causal (top-left): the mask, step by step and in one call") {
-    const attn::Mask<double> mask("test", 1, 1, 3, 3, attn::Causal::top_left, attn::Window{}, {},
-                                  {}, {});
+    const attn::Mask mask("test", 1, 1, 3, 3, attn::Causal::top_left, attn::Window{});
     const Mat expected_mask = fixture_matrix("causal_mask");  // (L, L) of 1/0
     for (Index i = 0; i < 3; ++i) {
       for (Index j = 0; j < 3; ++j) {
@@ -230,7 +229,7 @@ TEST_CASE("the library reproduces every stage of the walkthrough", "[walkthrough
     }
 
     Mat masked = scaled;  // (L, L)
-    mask.apply(0, 0, 0, 0, masked);
+    mask.hide(0, 0, 0, 0, masked);
     const Mat step_weights = attn::softmax_rows(masked);  // (L, L)
     REQUIRE_RELATIVE(step_weights, "causal_weights", kRelative);
     REQUIRE_RELATIVE(Mat(step_weights * V), "causal_output", kRelative);
@@ -262,9 +261,8 @@ TEST_CASE("masked keys of the walkthrough get weight exactly 0", "[walkthrough][
   attn_test::out_of(attn::scaled_dot_product_attention(Q, K, V, options, attn::Return::weights),
                     &weights, nullptr);
   Mat masked = fixture_matrix("scaled_scores");  // (L, L)
-  const attn::Mask<double> mask("test", 1, 1, 3, 3, attn::Causal::top_left, attn::Window{}, {}, {},
-                                {});
-  mask.apply(0, 0, 0, 0, masked);
+  const attn::Mask mask("test", 1, 1, 3, 3, attn::Causal::top_left, attn::Window{});
+  mask.hide(0, 0, 0, 0, masked);
   const Mat step_weights = attn::softmax_rows(masked);  // (L, L)
   for (Index i = 0; i < 3; ++i) {
     for (Index j = i + 1; j < 3; ++j) {

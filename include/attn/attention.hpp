@@ -37,11 +37,11 @@
 #include "attn/kernels/decode.hpp"
 #include "attn/kernels/flash.hpp"
 #include "attn/kernels/naive.hpp"
-#include "attn/mask.hpp"
 #include "attn/options.hpp"
 #include "attn/outputs.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
+#include "attn/problem.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn {
@@ -55,18 +55,19 @@ void run_attention(const KernelPlan& plan,
                    const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
                    const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
                    const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
-                   const Mask<compute_scalar_t<TQ>>& mask, compute_scalar_t<TQ> scale,
+                   const AttentionProblem<compute_scalar_t<TQ>>& problem,
+                   compute_scalar_t<TQ> scale,
                    const HeadsView<compute_scalar_t<TQ>>* weights,  // (B, Hq, Lq, Lk) or null
                    const RowValues<compute_scalar_t<TQ>>& logsumexp) {
   switch (plan.algorithm) {
     case Algorithm::naive:
-      return run_naive(plan, q, k, v, out, mask, scale, weights, logsumexp);
+      return run_naive(plan, q, k, v, out, problem, scale, weights, logsumexp);
     case Algorithm::chunked:
-      return run_chunked(plan, q, k, v, out, mask, scale, logsumexp);
+      return run_chunked(plan, q, k, v, out, problem, scale, logsumexp);
     case Algorithm::flash:
-      return run_flash(plan, q, k, v, out, mask, scale, logsumexp);
+      return run_flash(plan, q, k, v, out, problem, scale, logsumexp);
     case Algorithm::decode:
-      return run_decode(plan, q, k, v, out, mask, scale, logsumexp);
+      return run_decode(plan, q, k, v, out, problem, scale, logsumexp);
     case Algorithm::automatic:
       break;
   }
@@ -173,13 +174,15 @@ void attention_into(const char* function,
   const RowValues<T> logsumexp =
       outputs.logsumexp ? row_values(*outputs.logsumexp) : RowValues<T>{};
   if (!packed) {
-    const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options, plan.isa);
-    run_attention(plan, q, k, v, out, mask, scale, weights, logsumexp);
+    const AttentionProblem<T> problem(function, q.batch, q.heads, q.length, k.length, options,
+                                      plan.isa);
+    run_attention(plan, q, k, v, out, problem, scale, weights, logsumexp);
     return;
   }
-  const MaskOptions<T> per_sequence = per_sequence_options<MaskOptions<T>>(options, q, k);
-  const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, per_sequence, plan.isa);
-  run_attention(plan, q, k, v, out, mask, scale, weights, logsumexp);
+  const auto per_sequence = per_sequence_options<ProblemOptions<T>>(options, q, k);
+  const AttentionProblem<T> problem(function, q.batch, q.heads, q.length, k.length, per_sequence,
+                                    plan.isa);
+  run_attention(plan, q, k, v, out, problem, scale, weights, logsumexp);
 }
 
 /// The value forms' body: allocates out and the results `returns` names, then runs

@@ -35,11 +35,11 @@
 #include "attn/kernels/backward_views.hpp"
 #include "attn/kernels/flash_backward.hpp"
 #include "attn/kernels/naive_backward.hpp"
-#include "attn/mask.hpp"
 #include "attn/options.hpp"
 #include "attn/outputs.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
+#include "attn/problem.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn {
@@ -142,15 +142,16 @@ void run_backward(const char* function, const BackwardViews<S>& views,
   const T scale = resolve_scale(function, options.scale, q.dim);
   const KernelPlan plan = plan_backward<T>(
       {q.batch, q.heads, k.heads, q.length, k.length, q.dim, views.v.dim}, options, function);
-  const Mask<T> mask(function, q.batch, q.heads, q.length, k.length, options, plan.isa);
+  const AttentionProblem<T> problem(function, q.batch, q.heads, q.length, k.length, options,
+                                    plan.isa);
   if (plan.algorithm == Algorithm::naive)
-    run_naive_backward(plan, views, mask, options.softcap, scale);
+    run_naive_backward(plan, views, problem, options.softcap, scale);
   else
-    run_flash_backward(plan, views, mask, options.softcap, scale);
+    run_flash_backward(plan, views, problem, options.softcap, scale);
   if (g.dbias)
-    run_bias_gradient(plan, views, mask, scale, *g.dbias);
+    run_bias_gradient(plan, views, problem, scale, *g.dbias);
   if (g.dsinks)
-    sink_gradients(views.out, views.dout, views.lse, mask, *g.dsinks);
+    sink_gradients(views.out, views.dout, views.lse, problem, *g.dsinks);
 }
 
 /// The implementation of scaled_dot_product_attention_backward_into (see there).

@@ -21,6 +21,7 @@
 #include "attn/options.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
+#include "attn/problem.hpp"
 #include "attn/projection.hpp"
 #include "attn/quantized.hpp"
 #include "attn/rope.hpp"

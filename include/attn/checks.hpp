@@ -220,8 +220,8 @@ inline bool check_packing(const char* function, std::initializer_list<PackedRows
 
 /// The options a packed call refuses: per-sequence lengths (the offsets give them), a
 /// keep-mask or a bias (a (B, H, Lq, Lk) tensor has no meaning on packed tokens).
-template <class MaskOptionsT>
-void check_packed_options(const char* function, const MaskOptionsT& options) {
+template <class OptionsT>
+void check_packed_options(const char* function, const OptionsT& options) {
   if (!options.key_lengths.empty() || !options.query_lengths.empty()) {
     throw_invalid_argument(function,
                            "options.key_lengths and options.query_lengths must be empty on "
@@ -237,11 +237,11 @@ void check_packed_options(const char* function, const MaskOptionsT& options) {
 
 /// The options of a packed call as the kernels see them: each sequence's query and key
 /// lengths from the views' offsets, so that every rule applies within a sequence.
-template <class MaskOptionsT, class TQ, class TKV>
-MaskOptionsT per_sequence_options(const MaskOptionsT& options,
-                                  const HeadsView<TQ>& q,     // packed (B, Hq, Lq, D)
-                                  const HeadsView<TKV>& k) {  // packed (B, Hkv, Lk, D)
-  MaskOptionsT per_sequence = options;
+template <class OptionsT, class TQ, class TKV>
+OptionsT per_sequence_options(const OptionsT& options,
+                              const HeadsView<TQ>& q,     // packed (B, Hq, Lq, D)
+                              const HeadsView<TKV>& k) {  // packed (B, Hkv, Lk, D)
+  OptionsT per_sequence = options;
   per_sequence.query_lengths.resize(static_cast<std::size_t>(q.batch));
   per_sequence.key_lengths.resize(static_cast<std::size_t>(q.batch));
   for (Index b = 0; b < q.batch; ++b) {

@@ -52,8 +52,8 @@
 #include "attn/config.hpp"
 #include "attn/hadamard.hpp"
 #include "attn/kernels/decode.hpp"
-#include "attn/mask.hpp"
 #include "attn/outputs.hpp"
+#include "attn/problem.hpp"
 #include "attn/quantized.hpp"
 #include "attn/rope.hpp"
 #include "attn/tensor.hpp"
@@ -379,14 +379,15 @@ class KVCache {
                            max_length(), dim_,    value_dim_, 1};
       shape.kv_quantized = true;
       const KernelPlan plan = plan_attention<C>(shape, options, false, attend_name);
-      const Mask<C> mask(attend_name, q.batch, q.heads, q.length, max_length(), options, plan.isa);
+      const AttentionProblem<C> problem(attend_name, q.batch, q.heads, q.length, max_length(),
+                                        options, plan.isa);
       const detail::RowValues<C> logsumexp =
           outputs.logsumexp ? detail::row_values(*outputs.logsumexp) : detail::RowValues<C>{};
       if (plan.algorithm == Algorithm::decode)
-        detail::decode_attention<C, S, SV>(plan, q, keys, values, outputs.out, mask, scale,
+        detail::decode_attention<C, S, SV>(plan, q, keys, values, outputs.out, problem, scale,
                                            logsumexp);
       else
-        detail::run_flash(plan, q, keys, values, outputs.out, mask, scale, logsumexp);
+        detail::run_flash(plan, q, keys, values, outputs.out, problem, scale, logsumexp);
     }
   }
 

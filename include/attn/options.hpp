@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "attn/config.hpp"
-#include "attn/mask.hpp"
+#include "attn/problem.hpp"
 
 namespace attn {
 
@@ -38,11 +38,11 @@ inline const char* algorithm_name(Algorithm algorithm) {
   return "unknown";
 }
 
-/// Everything about an attention call except the tensors: the mask (MaskOptions, in
-/// attn/mask.hpp: causal, window, key and query lengths, sink tokens, keep-mask, bias, ALiBi,
-/// softcap, learned sinks), the scale and the kernel.
+/// Everything about an attention call except the tensors: the problem (ProblemOptions, in
+/// attn/problem.hpp: the mask's visibility rules, the score modifiers, learned sinks and
+/// dropout), the scale and the kernel.
 template <class T>
-struct AttentionOptions : MaskOptions<T> {
+struct AttentionOptions : ProblemOptions<T> {
   std::optional<T> scale;  ///< multiplies q k^T; default 1/sqrt(D)
   Algorithm algorithm = Algorithm::automatic;
   /// Query rows per work item of chunked and flash; 0 = the plan's default (attn/plan.hpp).

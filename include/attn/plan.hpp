@@ -209,11 +209,17 @@ Isa plan_isa() {
 }
 
 namespace detail {
+
+/// The threads of a call over `work_items` items: one unless it runs in parallel, and
+/// never more than there are items.
+inline int thread_count(bool parallel, Index work_items) {
+  return parallel ? static_cast<int>(std::min<Index>(max_threads(), work_items)) : 1;
+}
+
 /// plan.parallel and plan.threads for a call of `flops` FLOPs over plan.work_items items.
 inline void plan_threads(KernelPlan& plan, double flops) {
   plan.parallel = runs_parallel(plan.work_items, flops);
-  plan.threads =
-      plan.parallel ? static_cast<int>(std::min<Index>(max_threads(), plan.work_items)) : 1;
+  plan.threads = thread_count(plan.parallel, plan.work_items);
 }
 
 /// 2 Lq Lk (D + Dv) per query head: the FLOPs of attention's two products.
@@ -409,8 +415,7 @@ inline LinearPlan plan_linear_attention(const LinearAttentionShape& shape, Index
                static_cast<double>(std::max(shape.q_length, shape.k_length)) *
                static_cast<double>(shape.features) * static_cast<double>(shape.value_dim + 1);
   plan.parallel = detail::runs_parallel(plan.work_items, plan.flops);
-  plan.threads =
-      plan.parallel ? static_cast<int>(std::min<Index>(detail::max_threads(), plan.work_items)) : 1;
+  plan.threads = detail::thread_count(plan.parallel, plan.work_items);
   return plan;
 }
 

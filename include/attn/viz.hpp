@@ -74,7 +74,7 @@ inline Matrix<bool> visibility_matrix(Index q_length, Index k_length, Causal cau
   std::vector<Index> key_lengths;
   if (key_length >= 0)
     key_lengths.push_back(key_length);
-  const Mask<float> mask(function, 1, 1, q_length, k_length, causal, window, key_lengths, {}, {});
+  const Mask mask(function, 1, 1, q_length, k_length, causal, window, key_lengths);
   Matrix<bool> visible(q_length, k_length);
   for (Index i = 0; i < q_length; ++i) {
     for (Index j = 0; j < k_length; ++j)

@@ -17,7 +17,7 @@
 #include "attn/kernels/online_softmax.hpp"
 #include "attn/kernels/simd/tile_products.hpp"
 #include "attn/kernels/workspace.hpp"
-#include "attn/mask.hpp"
+#include "attn/problem.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn::detail {

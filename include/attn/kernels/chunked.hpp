@@ -19,9 +19,9 @@
 #include "attn/config.hpp"
 #include "attn/kernels/item_loop.hpp"
 #include "attn/kernels/widening.hpp"
-#include "attn/mask.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
+#include "attn/problem.hpp"
 #include "attn/softmax.hpp"
 #include "attn/tensor.hpp"
 
@@ -39,20 +39,22 @@ void chunked_attention_block(const HeadMatrix<const T>& q,  // (rows, D)  querie
                              const HeadMatrix<const T>& k,  // (Lk, D)    the whole head
                              const HeadMatrix<const T>& v,  // (Lk, Dv)
                              HeadMatrix<T> out,             // (rows, Dv) written
-                             const Mask<T>& mask, Index b, Index h, T scale, Index i0,
+                             const AttentionProblem<T>& problem, Index b, Index h, T scale,
+                             Index i0,
                              Matrix<T>& workspace,  // grows to (Bq, Lk)
                              T* logsumexp) {        // (rows) or null
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
   const Index rows = q.rows();
   const Index i1 = i0 + rows;
-  const auto [first, last] = mask.key_range(b, i0, i1);
+  const auto [first, last] = problem.mask().key_range(b, i0, i1);
   const Index cols = last - first;
   const TileVisibility visibility =
-      cols == 0 ? TileVisibility::hidden : mask.classify(b, h, i0, i1, first, last);
+      cols == 0 ? TileVisibility::hidden : problem.mask().classify(b, h, i0, i1, first, last);
   if (visibility == TileVisibility::hidden) {
     out.setZero();
     if (logsumexp != nullptr)
-      std::fill(logsumexp, logsumexp + rows, mask.sink(h) != nullptr ? *mask.sink(h) : minus_inf);
+      std::fill(logsumexp, logsumexp + rows,
+                problem.sink(h) != nullptr ? *problem.sink(h) : minus_inf);
     return;
   }
   if (workspace.size() < rows * cols)
@@ -60,10 +62,10 @@ void chunked_attention_block(const HeadMatrix<const T>& q,  // (rows, D)  querie
   Eigen::Map<Matrix<T>> s(workspace.data(), rows, cols);
 
   s.noalias() = scale * (q * k.middleRows(first, cols).transpose());  // pass 1
-  if (visibility == TileVisibility::partial || mask.modifies_scores())
-    mask.apply(b, h, i0, first, s, visibility);  // 2
-  for (Index r = 0; r < rows; ++r) {             // pass 3
-    const T lse = softmax_in_place(s.row(r).data(), cols, mask.sink(h));
+  if (visibility == TileVisibility::partial || problem.modifies_scores())
+    problem.apply(b, h, i0, first, s, visibility);  // 2
+  for (Index r = 0; r < rows; ++r) {                // pass 3
+    const T lse = softmax_in_place(s.row(r).data(), cols, problem.sink(h));
     if (logsumexp != nullptr)
       logsumexp[r] = lse;
   }
@@ -79,7 +81,7 @@ void run_chunked(const KernelPlan& plan,
                  const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
                  const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
                  const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
-                 const Mask<compute_scalar_t<TQ>>& mask, compute_scalar_t<TQ> scale,
+                 const AttentionProblem<compute_scalar_t<TQ>>& problem, compute_scalar_t<TQ> scale,
                  const RowValues<compute_scalar_t<TQ>>& logsumexp) {  // (B, Hq, Lq) or null
   using T = compute_scalar_t<TQ>;
   const Index q_heads = q.heads, q_length = q.length;
@@ -100,8 +102,8 @@ void run_chunked(const KernelPlan& plan,
         chunked_attention_block<T>(rows_as<T, TQ>(plan.isa, q.head(b, h), i0, rows, s.q_rows),
                                    s.k_head(plan.isa, k, b, h / group),
                                    s.v_head(plan.isa, v, b, h / group),
-                                   s.out_rows.rows(out.head(b, h), i0, rows), mask, b, h, scale, i0,
-                                   s.block, lse != nullptr ? lse + i0 : nullptr);
+                                   s.out_rows.rows(out.head(b, h), i0, rows), problem, b, h, scale,
+                                   i0, s.block, lse != nullptr ? lse + i0 : nullptr);
         s.out_rows.store(out.head(b, h), i0, rows);
       });
 }

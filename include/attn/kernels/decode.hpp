@@ -27,10 +27,10 @@
 // a half accumulator has an 11-bit significand, so summing thousands of weights stops
 // growing once the sum reaches 2^11 ulps of the terms (see the long-context test).
 //
-// Masks: the full Mask (causal either alignment, window, key and query lengths, sink tokens,
-// keep-mask, bias, ALiBi, softcap, learned sinks in the merge). Splits and key blocks outside every
-// row's visible interval are skipped without arithmetic. A row that sees no key gives zeros and
-// log-sum-exp -inf; NaN propagates.
+// Masks: the whole problem (attn/problem.hpp: causal either alignment, window, key and query
+// lengths, sink tokens, keep-mask, mods, bias, ALiBi, softcap, learned sinks in the merge). Splits
+// and key blocks outside every row's visible interval are skipped without arithmetic. A row that
+// sees no key gives zeros and log-sum-exp -inf; NaN propagates.
 //
 // Extra memory (the one statement of it; docs/kernels.md links here), G = Hq / Hkv,
 // split_keys = decode_split_keys (512), key_block = decode_key_block (64), attn/plan.hpp:
@@ -51,9 +51,9 @@
 #include "attn/kernels/dispatch.hpp"
 #include "attn/kernels/item_loop.hpp"
 #include "attn/kernels/workspace.hpp"
-#include "attn/mask.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
+#include "attn/problem.hpp"
 #include "attn/quantized.hpp"
 #include "attn/tensor.hpp"
 
@@ -75,7 +75,7 @@ void decode_attention(const KernelPlan& plan,
                       const HeadsView<const SK>& k,  // (B, Hkv, Lk, D / values_per_unit_v<SK>)
                       const HeadsView<const SV>& v,  // (B, Hkv, Lk, Dv / values_per_unit_v<SV>)
                       const HeadsView<T>& out,       // (B, Hq, Lq, Dv)
-                      const Mask<T>& mask, T scale,
+                      const AttentionProblem<T>& problem, T scale,
                       const RowValues<T>& logsumexp) {  // (B, Hq, Lq), (Hq, Tq) or null
   static_assert(
       (std::is_same_v<SK, T> && std::is_same_v<SV, T>) ||
@@ -108,14 +108,14 @@ void decode_attention(const KernelPlan& plan,
         const Index pair = item / splits, split = item % splits;  // b * Hkv + kv head
         const Index j0 = split * plan.split_keys;
         const Index j1 = std::min(j0 + plan.split_keys, k.length);
-        kernels.decode_split(q, k, v, mask, scale, pair / kv_heads, pair % kv_heads, j0, j1,
+        kernels.decode_split(q, k, v, problem, scale, pair / kv_heads, pair % kv_heads, j0, j1,
                              key_block, workspace, partials.data() + item * partial_size);
       });
   for_each_item(
       groups, plan.parallel, [] { return 0; },
       [&](Index pair, int) {
         kernels.merge_splits(partials.data() + pair * splits * partial_size, splits, partial_size,
-                             pair / kv_heads, pair % kv_heads, group, out, mask, logsumexp);
+                             pair / kv_heads, pair % kv_heads, group, out, problem, logsumexp);
       });
 }
 
@@ -127,7 +127,7 @@ void run_decode(const KernelPlan& plan,
                 const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
                 const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
                 const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
-                const Mask<compute_scalar_t<TQ>>& mask, compute_scalar_t<TQ> scale,
+                const AttentionProblem<compute_scalar_t<TQ>>& problem, compute_scalar_t<TQ> scale,
                 const RowValues<compute_scalar_t<TQ>>& logsumexp) {  // or null
   using T = compute_scalar_t<TQ>;
   const Index batch = q.batch, q_heads = q.heads;
@@ -162,7 +162,7 @@ void run_decode(const KernelPlan& plan,
   } else {
     out_view = wide_view(out_wide, out, v.dim);
   }
-  decode_attention<T, TKV, TKV>(plan, q_view, k, v, out_view, mask, scale, logsumexp);
+  decode_attention<T, TKV, TKV>(plan, q_view, k, v, out_view, problem, scale, logsumexp);
   if constexpr (!std::is_same_v<TO, T>) {
     for (Index b = 0; b < batch; ++b) {
       for (Index h = 0; h < q_heads; ++h)

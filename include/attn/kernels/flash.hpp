@@ -29,9 +29,9 @@
 #include "attn/kernels/item_loop.hpp"
 #include "attn/kernels/widening.hpp"
 #include "attn/kernels/workspace.hpp"
-#include "attn/mask.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
+#include "attn/problem.hpp"
 #include "attn/quantized.hpp"
 #include "attn/tensor.hpp"
 
@@ -45,7 +45,7 @@ void run_flash(const KernelPlan& plan,
                const HeadsView<const TK>& k,  // (B, Hkv, Lk, D)  (blocks: D / 32 units)
                const HeadsView<const TV>& v,  // (B, Hkv, Lk, Dv) (blocks: Dv / 32 units)
                const HeadsView<TO>& out,      // (B, Hq, Lq, Dv)
-               const Mask<compute_scalar_t<TQ>>& mask, compute_scalar_t<TQ> scale,
+               const AttentionProblem<compute_scalar_t<TQ>>& problem, compute_scalar_t<TQ> scale,
                const RowValues<compute_scalar_t<TQ>>& logsumexp) {  // (B, Hq, Lq) or null
   using T = compute_scalar_t<TQ>;
   const Index q_heads = q.heads, q_length = q.length, k_length = k.length;
@@ -73,8 +73,8 @@ void run_flash(const KernelPlan& plan,
     const HeadMatrix<const T> q_rows = rows_as<T, TQ>(plan.isa, q.head(b, h), i0, rows, s.q_rows);
     T* lse = logsumexp.head(b, h);
     kernels.flash_tile(q_rows, k.head(b, h / group), v.head(b, h / group),
-                       s.out_rows.rows(out.head(b, h), i0, rows), mask, b, h, scale, i0, key_tile,
-                       s.workspace, lse != nullptr ? lse + i0 : nullptr);
+                       s.out_rows.rows(out.head(b, h), i0, rows), problem, b, h, scale, i0,
+                       key_tile, s.workspace, lse != nullptr ? lse + i0 : nullptr);
     s.out_rows.store(out.head(b, h), i0, rows);
   });
 }

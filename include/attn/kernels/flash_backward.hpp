@@ -50,9 +50,9 @@
 #include "attn/kernels/item_loop.hpp"
 #include "attn/kernels/widening.hpp"
 #include "attn/kernels/workspace.hpp"
-#include "attn/mask.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
+#include "attn/problem.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn::detail {
@@ -72,7 +72,7 @@ void row_deltas(const HeadMatrix<const T>& dout,  // (rows, Dv)
 /// 16-bit S (widened per head); the gradients are stored as S.
 template <class S>
 void run_flash_backward(const KernelPlan& plan, const BackwardViews<S>& x,
-                        const Mask<compute_scalar_t<S>>& mask,
+                        const AttentionProblem<compute_scalar_t<S>>& problem,
                         const std::optional<compute_scalar_t<S>>& softcap,
                         compute_scalar_t<S> scale) {
   using T = compute_scalar_t<S>;
@@ -92,7 +92,8 @@ void run_flash_backward(const KernelPlan& plan, const BackwardViews<S>& x,
   const auto make_scratch = [&] {
     Scratch s;
     s.workspace.reserve(kernels.padded(std::max<Index>(1, std::min(key_tile, x.k.length))),
-                        query_tile, x.q.dim, x.v.dim, softcap.has_value(), mask.dropout().active());
+                        query_tile, x.q.dim, x.v.dim, softcap.has_value(),
+                        problem.dropout().active());
     s.delta.resize(group, q_length);
     s.q_heads.resize(static_cast<std::size_t>(group));
     s.dout_heads.resize(static_cast<std::size_t>(group));
@@ -120,9 +121,9 @@ void run_flash_backward(const KernelPlan& plan, const BackwardViews<S>& x,
     }
     // Padding keys (j >= n_k(b)) are never visible: zeros, and no tile reaches them, so
     // that a NaN row cannot reach them through 0 * NaN (naive does not score them either).
-    const Index real_keys = std::min(keys, mask.key_length(b));
+    const Index real_keys = std::min(keys, problem.mask().key_length(b));
     for (Index j0 = 0; j0 < real_keys; j0 += key_tile) {
-      kernels.backward_key_tile(k_head, v_head, dk_head, dv_head, heads.data(), group, mask,
+      kernels.backward_key_tile(k_head, v_head, dk_head, dv_head, heads.data(), group, problem,
                                 softcap, b, kv_head, scale, j0, std::min(key_tile, real_keys - j0),
                                 query_tile, s.workspace);
     }

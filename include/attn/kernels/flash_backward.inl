@@ -40,20 +40,20 @@ inline auto row_of(Map m, Index i) -> decltype(m.data()) {
 /// keys [j0, j0 + keys), and the padding columns [keys, width); applies softcap, ALiBi and
 /// the bias, as the forward does.
 template <class T>
-inline void mask_backward_scores(const Mask<T>& mask, TileVisibility visibility, Index b, Index h,
-                                 Index i0, Index rows, Index j0, Index keys, Index width, T* s,
-                                 Index stride) {
+inline void mask_backward_scores(const AttentionProblem<T>& problem, TileVisibility visibility,
+                                 Index b, Index h, Index i0, Index rows, Index j0, Index keys,
+                                 Index width, T* s, Index stride) {
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-  const bool masked = visibility == TileVisibility::partial || mask.modifies_scores();
-  const bool elementwise = mask.has_elementwise_mask() || mask.modifies_scores() ||
-                           (mask.has_sink_tokens() && j0 < mask.sink_tokens());
+  const bool masked = visibility == TileVisibility::partial || problem.modifies_scores();
+  const bool elementwise = problem.mask().has_elementwise_mask() || problem.modifies_scores() ||
+                           (problem.mask().has_sink_tokens() && j0 < problem.mask().sink_tokens());
   if (masked && elementwise) {
     Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> view(s, rows, keys,
                                                         Eigen::OuterStride<>(stride));
-    mask.apply(b, h, i0, j0, view, visibility);
+    problem.apply(b, h, i0, j0, view, visibility);
   } else if (masked) {  // one interval per row
     for (Index r = 0; r < rows; ++r) {
-      const auto [first, last] = mask.key_interval(b, i0 + r);
+      const auto [first, last] = problem.mask().key_interval(b, i0 + r);
       const Index lo = std::clamp(first - j0, Index(0), keys);
       const Index hi = std::clamp(last - j0, lo, keys);
       T* row = s + r * stride;
@@ -84,9 +84,10 @@ void backward_key_tile(const HeadMatrix<const T>& k,  // (Lk, D)   the whole kv 
                        const HeadMatrix<const T>& v,  // (Lk, Dv)
                        HeadMatrix<T> dk,              // (Lk, D)   rows j0.. written
                        HeadMatrix<T> dv,              // (Lk, Dv)
-                       const BackwardHead<T>* heads, Index group, const Mask<T>& mask,
-                       const std::optional<T>& softcap, Index b, Index kv_head, T scale, Index j0,
-                       Index keys, Index query_tile, BackwardWorkspace<T>& workspace) {
+                       const BackwardHead<T>* heads, Index group,
+                       const AttentionProblem<T>& problem, const std::optional<T>& softcap, Index b,
+                       Index kv_head, T scale, Index j0, Index keys, Index query_tile,
+                       BackwardWorkspace<T>& workspace) {
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
   const Index j1 = j0 + keys, width = padded(keys), stride = workspace.stride;
   const Index dim = k.cols(), value_dim = v.cols();
@@ -114,7 +115,7 @@ void backward_key_tile(const HeadMatrix<const T>& k,  // (Lk, D)   the whole kv 
     const Index rows_of_head = head.q.rows();
     for (Index i0 = 0; i0 < rows_of_head; i0 += query_tile) {
       const Index rows = std::min(query_tile, rows_of_head - i0), i1 = i0 + rows;
-      const TileVisibility visibility = mask.classify(b, h, i0, i1, j0, j1);
+      const TileVisibility visibility = problem.mask().classify(b, h, i0, i1, j0, j1);
       if (visibility == TileVisibility::hidden)
         continue;
       copy_rows(row_of(head.q, i0), head.q.outerStride(), rows, dim, q_rows, q_stride);
@@ -125,13 +126,13 @@ void backward_key_tile(const HeadMatrix<const T>& k,  // (Lk, D)   the whole kv 
         for (Index r = 0; r < rows; ++r)
           std::copy_n(s + r * stride, width, workspace.raw.data() + r * stride);
       }
-      mask_backward_scores(mask, visibility, b, h, i0, rows, j0, keys, width, s, stride);
+      mask_backward_scores(problem, visibility, b, h, i0, rows, j0, keys, width, s, stride);
       for (Index r = 0; r < rows; ++r) {
         const T lse = head.lse[i0 + r];
         shift[r] = lse == minus_inf ? T(0) : lse;
       }
       exp_rows(s, stride, rows, width, shift, workspace.sums.data());  // p
-      const Dropout<T>& dropout = mask.dropout();
+      const Dropout<T>& dropout = problem.dropout();
       if (dropout.active()) {  // f: the forward's dropout factors, regenerated; dv takes p f
         for (Index r = 0; r < rows; ++r) {
           dropout_row(dropout, dropout.row_key(b, h, i0 + r), j0, keys, width, s + r * stride,

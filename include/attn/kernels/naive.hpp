@@ -15,9 +15,9 @@
 #include "attn/config.hpp"
 #include "attn/kernels/item_loop.hpp"
 #include "attn/kernels/widening.hpp"
-#include "attn/mask.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
+#include "attn/problem.hpp"
 #include "attn/softmax.hpp"
 #include "attn/tensor.hpp"
 
@@ -35,13 +35,13 @@ void naive_attention_head(const HeadMatrix<const T>& q,  // (Lq, D)
                           const HeadMatrix<const T>& k,  // (Lk, D)
                           const HeadMatrix<const T>& v,  // (Lk, Dv)
                           HeadMatrix<T> out,             // (Lq, Dv)
-                          const Mask<T>& mask, Index b, Index h, T scale,
+                          const AttentionProblem<T>& problem, Index b, Index h, T scale,
                           Matrix<T>& workspace,    // reused between calls; resized to (Lq, n_k)
                           HeadMatrix<T>* weights,  // (Lq, Lk), or null
                           T* logsumexp) {          // (Lq), or null
   const Index q_length = q.rows();
   const Index k_length = k.rows();
-  const Index keys = std::min(k_length, mask.key_length(b));
+  const Index keys = std::min(k_length, problem.mask().key_length(b));
   if (weights == nullptr)
     workspace.resize(q_length, keys);
   HeadMatrix<T> scores(weights != nullptr ? weights->data() : workspace.data(), q_length, keys,
@@ -50,14 +50,15 @@ void naive_attention_head(const HeadMatrix<const T>& q,  // (Lq, D)
     weights->rightCols(k_length - keys).setZero();
 
   scores.noalias() = scale * (q * k.topRows(keys).transpose());  // pass 1
-  if (!mask.is_trivial())
-    mask.apply(b, h, 0, 0, scores);       // pass 2
+  if (!problem.is_trivial())
+    problem.apply(b, h, 0, 0, scores);    // pass 2
   for (Index i = 0; i < q_length; ++i) {  // pass 3
-    const T lse = softmax_in_place(scores.row(i).data(), keys, mask.sink(h));
+    const T lse = softmax_in_place(scores.row(i).data(), keys, problem.sink(h));
     if (logsumexp != nullptr)
       logsumexp[i] = lse;
-    if (mask.dropout().active())  // the weights after dropout, as PyTorch's math path
-      mask.dropout().apply_for_row(mask.dropout().row_key(b, h, i), 0, keys, scores.row(i).data());
+    if (problem.dropout().active())  // the weights after dropout, as PyTorch's math path
+      problem.dropout().apply_for_row(problem.dropout().row_key(b, h, i), 0, keys,
+                                      scores.row(i).data());
   }
   out.noalias() = scores * v.topRows(keys);  // pass 4
 }
@@ -69,7 +70,7 @@ void run_naive(const KernelPlan& plan,
                const HeadsView<const TKV>& k,  // (B, Hkv, Lk, D)
                const HeadsView<const TKV>& v,  // (B, Hkv, Lk, Dv)
                const HeadsView<TO>& out,       // (B, Hq, Lq, Dv)
-               const Mask<compute_scalar_t<TQ>>& mask, compute_scalar_t<TQ> scale,
+               const AttentionProblem<compute_scalar_t<TQ>>& problem, compute_scalar_t<TQ> scale,
                const HeadsView<compute_scalar_t<TQ>>* weights,      // (B, Hq, Lq, Lk) or null
                const RowValues<compute_scalar_t<TQ>>& logsumexp) {  // (B, Hq, Lq) or null
   using T = compute_scalar_t<TQ>;
@@ -90,8 +91,8 @@ void run_naive(const KernelPlan& plan,
             weights != nullptr ? std::optional<HeadMatrix<T>>(weights->head(b, h)) : std::nullopt;
         naive_attention_head<T>(
             s.q_head(plan.isa, q, b, h), s.k_head(plan.isa, k, b, h / group),
-            s.v_head(plan.isa, v, b, h / group), s.out_rows.rows(out.head(b, h), 0, rows), mask, b,
-            h, scale, s.scores, weights_head ? &*weights_head : nullptr, logsumexp.head(b, h));
+            s.v_head(plan.isa, v, b, h / group), s.out_rows.rows(out.head(b, h), 0, rows), problem,
+            b, h, scale, s.scores, weights_head ? &*weights_head : nullptr, logsumexp.head(b, h));
         s.out_rows.store(out.head(b, h), 0, rows);
       });
 }

@@ -33,9 +33,9 @@
 #include "attn/kernels/backward_views.hpp"
 #include "attn/kernels/item_loop.hpp"
 #include "attn/kernels/widening.hpp"
-#include "attn/mask.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
+#include "attn/problem.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn::detail {
@@ -57,24 +57,24 @@ void score_gradients(const HeadMatrix<const T>& q,     // (rows, D)
                      const HeadMatrix<const T>& out,   // (rows, Dv)
                      const HeadMatrix<const T>& dout,  // (rows, Dv)
                      const T* lse,                     // (rows)
-                     const Mask<T>& mask, bool softcap, Index b, Index h, Index i0, T scale,
-                     ScoreGradientScratch<T>& s) {
+                     const AttentionProblem<T>& problem, bool softcap, Index b, Index h, Index i0,
+                     T scale, ScoreGradientScratch<T>& s) {
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-  const Index rows = q.rows(), keys = std::min(k.rows(), mask.key_length(b));
+  const Index rows = q.rows(), keys = std::min(k.rows(), problem.mask().key_length(b));
   s.p.resize(rows, keys);
   s.ds.resize(rows, keys);
   s.p.noalias() = scale * (q * k.topRows(keys).transpose());
   if (softcap)
     s.raw = s.p;
-  if (!mask.is_trivial())
-    mask.apply(b, h, i0, 0, s.p);
+  if (!problem.is_trivial())
+    problem.apply(b, h, i0, 0, s.p);
   for (Index r = 0; r < rows; ++r) {
     const T shift = lse[r] == minus_inf ? T(0) : lse[r];  // such rows see only -inf scores
     for (Index j = 0; j < keys; ++j)
       s.p(r, j) = std::exp(s.p(r, j) - shift);
   }
   s.ds.noalias() = dout * v.topRows(keys).transpose();
-  const Dropout<T>& dropout = mask.dropout();
+  const Dropout<T>& dropout = problem.dropout();
   if (dropout.active()) {  // ds = p (f dp - delta); then p becomes the dropped weights p f
     s.f.resize(rows, keys);
     for (Index r = 0; r < rows; ++r)
@@ -103,7 +103,7 @@ void scale_score_gradients(const std::optional<T>& softcap, ScoreGradientScratch
 /// gradients summed in float, then stored as S.
 template <class S>
 void run_naive_backward(const KernelPlan& plan, const BackwardViews<S>& x,
-                        const Mask<compute_scalar_t<S>>& mask,
+                        const AttentionProblem<compute_scalar_t<S>>& problem,
                         const std::optional<compute_scalar_t<S>>& softcap,
                         compute_scalar_t<S> scale) {
   using T = compute_scalar_t<S>;
@@ -126,7 +126,7 @@ void run_naive_backward(const KernelPlan& plan, const BackwardViews<S>& x,
           const HeadMatrix<const T> q_head = s.q_head(plan.isa, x.q, b, h);
           const HeadMatrix<const T> dout_head = s.dout_head(plan.isa, x.dout, b, h);
           score_gradients<T>(q_head, k_head, v_head, s.out_head(plan.isa, x.out, b, h), dout_head,
-                             x.lse_of(b, h), mask, softcap.has_value(), b, h, 0, scale,
+                             x.lse_of(b, h), problem, softcap.has_value(), b, h, 0, scale,
                              s.gradients);
           scale_score_gradients(softcap, s.gradients);
           const Index keys = s.gradients.ds.cols();
@@ -145,7 +145,8 @@ void run_naive_backward(const KernelPlan& plan, const BackwardViews<S>& x,
 /// dimensions the bias broadcasts along, plan.query_tile rows at a time.
 template <class S>
 void run_bias_gradient(const KernelPlan& plan, const BackwardViews<S>& x,
-                       const Mask<compute_scalar_t<S>>& mask, compute_scalar_t<S> scale,
+                       const AttentionProblem<compute_scalar_t<S>>& problem,
+                       compute_scalar_t<S> scale,
                        const HeadsView<compute_scalar_t<S>>& dbias) {  // the bias's dims
   using T = compute_scalar_t<S>;
   const std::array<Index, 4> bias_dims = dbias.shape();
@@ -178,7 +179,7 @@ void run_bias_gradient(const KernelPlan& plan, const BackwardViews<S>& x,
                                  v_head,
                                  rows_as<T, S>(plan.isa, x.out.head(b, h), r0, n, s.out_rows),
                                  rows_as<T, S>(plan.isa, x.dout.head(b, h), r0, n, s.dout_rows),
-                                 x.lse_of(b, h) + r0, mask, false, b, h, r0, scale, s.gradients);
+                                 x.lse_of(b, h) + r0, problem, false, b, h, r0, scale, s.gradients);
               const Index keys = s.gradients.ds.cols();
               for (Index r = 0; r < n; ++r) {
                 T* row = target.row(per_query ? r0 + r : 0).data();
@@ -191,24 +192,24 @@ void run_bias_gradient(const KernelPlan& plan, const BackwardViews<S>& x,
       });
 }
 
-/// The gradients of the learned sinks (mask.sink(h)) into dsinks (Hq):
+/// The gradients of the learned sinks (problem.sink(h)) into dsinks (Hq):
 /// dsink_h = -sum over b and the real queries i of exp(sink_h - lse_i) * delta_i.
 template <class S>
 void sink_gradients(const HeadsView<const S>& out,                    // (B, Hq, Lq, Dv)
                     const HeadsView<const S>& dout,                   // (B, Hq, Lq, Dv)
                     const RowValues<const compute_scalar_t<S>>& lse,  // (B, Hq, Lq) or (Hq, T)
-                    const Mask<compute_scalar_t<S>>& mask,
+                    const AttentionProblem<compute_scalar_t<S>>& problem,
                     Eigen::Map<Vector<compute_scalar_t<S>>> dsinks) {  // (Hq)
   using T = compute_scalar_t<S>;
   for (Index h = 0; h < out.heads; ++h) {
     T sum = 0;
     for (Index b = 0; b < out.batch; ++b) {
       const HeadMatrix<const S> o = out.head(b, h), d = dout.head(b, h);
-      for (Index i = 0; i < std::min(out.rows(b), mask.query_length(b)); ++i) {
+      for (Index i = 0; i < std::min(out.rows(b), problem.mask().query_length(b)); ++i) {
         T delta = 0;
         for (Index e = 0; e < out.dim; ++e)
           delta += static_cast<T>(d(i, e)) * static_cast<T>(o(i, e));
-        sum += std::exp(*mask.sink(h) - lse.head(b, h)[i]) * delta;
+        sum += std::exp(*problem.sink(h) - lse.head(b, h)[i]) * delta;
       }
     }
     dsinks[h] = -sum;

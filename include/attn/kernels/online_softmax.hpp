@@ -21,7 +21,7 @@
 #include "attn/kernels/generic.hpp"
 #include "attn/kernels/simd/tile_products.hpp"
 #include "attn/kernels/workspace.hpp"
-#include "attn/mask.hpp"
+#include "attn/problem.hpp"
 #include "attn/quantized.hpp"
 #include "attn/tensor.hpp"
 

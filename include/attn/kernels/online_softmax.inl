@@ -145,8 +145,8 @@ void flash_tile(const HeadMatrix<const T>& q,   // (rows, D)  queries i0 ..
                 const HeadMatrix<const SK>& k,  // (Lk, D)    the whole head (blocks: D / 32)
                 const HeadMatrix<const SV>& v,  // (Lk, Dv)
                 HeadMatrix<T> out,              // (rows, Dv) written
-                const Mask<T>& mask, Index b, Index h, T scale, Index i0, Index key_tile,
-                Workspace<T>& workspace,
+                const AttentionProblem<T>& problem, Index b, Index h, T scale, Index i0,
+                Index key_tile, Workspace<T>& workspace,
                 T* logsumexp) {  // (rows) or null
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
   const Index rows = q.rows(), i1 = i0 + rows, width = padded(rows);
@@ -162,13 +162,13 @@ void flash_tile(const HeadMatrix<const T>& q,   // (rows, D)  queries i0 ..
   std::fill_n(m, width, minus_inf);
   std::fill_n(l, width, T(0));
 
-  const auto [keys_first, keys_last] = mask.key_range(b, i0, i1);
+  const auto [keys_first, keys_last] = problem.mask().key_range(b, i0, i1);
   if (keys_first < keys_last) {
     T* qt = workspace.q.data();
     T* st = workspace.s.data();
     T* tile_max = workspace.tile_max.data();
     pack_queries(q.data(), q.outerStride(), rows, dim, scale, qt, stride, width);  // pass 1
-    const Dropout<T>& dropout = mask.dropout();
+    const Dropout<T>& dropout = problem.dropout();
     if (dropout.active()) {
       for (Index r = 0; r < rows; ++r)
         workspace.dropout_rows[static_cast<std::size_t>(r)] = dropout.row_key(b, h, i0 + r);
@@ -176,29 +176,30 @@ void flash_tile(const HeadMatrix<const T>& q,   // (rows, D)  queries i0 ..
     bool first_tile = true;
     for (Index j0 = keys_first; j0 < keys_last; j0 += key_tile) {  // pass 2
       const Index j1 = std::min(j0 + key_tile, keys_last), cols = j1 - j0;
-      const TileVisibility visibility = mask.classify(b, h, i0, i1, j0, j1);
+      const TileVisibility visibility = problem.mask().classify(b, h, i0, i1, j0, j1);
       if (visibility == TileVisibility::hidden)
         continue;
-      const bool masked = visibility == TileVisibility::partial || mask.modifies_scores();
+      const bool masked = visibility == TileVisibility::partial || problem.modifies_scores();
       const HeadMatrix<const T> k_tile = tile_rows<T, SK>(k, j0, cols, workspace.k);
       scores(k_tile.data(), k_tile.outerStride(), cols, qt, stride, dim, width, st, stride,
              masked ? nullptr : tile_max);
       // Element by element for a keep-mask, changed scores, or sink tokens in the tile (a
       // row's visible keys are then two intervals); else one interval per row.
-      const bool elementwise = mask.has_elementwise_mask() || mask.modifies_scores() ||
-                               (mask.has_sink_tokens() && j0 < mask.sink_tokens());
+      const bool elementwise =
+          problem.mask().has_elementwise_mask() || problem.modifies_scores() ||
+          (problem.mask().has_sink_tokens() && j0 < problem.mask().sink_tokens());
       if (masked && elementwise) {
         // the element-wise mask on (rows, cols) of scores, a column-major view of st
         Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>>
             scores_view(st, rows, cols, Eigen::OuterStride<>(stride));
-        mask.apply(b, h, i0, j0, scores_view, visibility);
+        problem.apply(b, h, i0, j0, scores_view, visibility);
         column_maxima(st, stride, cols, width, tile_max);
-      } else if (masked) {  // only intervals (the diagonal tiles of a causal mask)
+      } else if (masked) {  // only intervals (the diagonal tiles of a causal problem)
         std::int32_t* lo = workspace.key_lo.data();
         std::int32_t* hi = workspace.key_hi.data();
         for (Index r = 0; r < width; ++r) {
           const auto [first, last] =
-              r < rows ? mask.key_interval(b, i0 + r) : std::array<Index, 2>{j0, j1};
+              r < rows ? problem.mask().key_interval(b, i0 + r) : std::array<Index, 2>{j0, j1};
           lo[r] = static_cast<std::int32_t>(std::clamp(first - j0, Index(0), cols));
           hi[r] = static_cast<std::int32_t>(std::clamp(last - j0, Index(0), cols));
         }
@@ -220,7 +221,8 @@ void flash_tile(const HeadMatrix<const T>& q,   // (rows, D)  queries i0 ..
   }
   for (Index r = 0; r < rows; ++r) {  // pass 3 (with Dv = 0, ot is an empty buffer: null)
     finish_query(1, m + r, l + r, 0, value_dim > 0 ? ot + r : ot, 0, stride, value_dim,
-                 mask.sink(h), out.row(r).data(), logsumexp != nullptr ? logsumexp + r : nullptr);
+                 problem.sink(h), out.row(r).data(),
+                 logsumexp != nullptr ? logsumexp + r : nullptr);
   }
 }
 
@@ -237,8 +239,8 @@ template <class T, class SK, class SV>
 void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
                   const HeadsView<const SK>& k,  // (B, Hkv, Lk, D / values_per_unit_v<SK>)
                   const HeadsView<const SV>& v,  // (B, Hkv, Lk, Dv / values_per_unit_v<SV>)
-                  const Mask<T>& mask, T scale, Index b, Index kv_head, Index j0, Index j1,
-                  Index key_block, Workspace<T>& workspace,
+                  const AttentionProblem<T>& problem, T scale, Index b, Index kv_head, Index j0,
+                  Index j1, Index key_block, Workspace<T>& workspace,
                   T* partial) {  // m (R), l (R), acc (R, Dv)
   // Partials are laid out for the longest sequence, R = G * q.length rows; this one's rows
   // are r = g * Lq_b + i.
@@ -252,10 +254,10 @@ void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
   std::fill_n(l, rows, T(0));
 
   const Index first_head = kv_head * group;
-  const auto [keys_first, keys_last] = mask.key_range(b, 0, q_length);
+  const auto [keys_first, keys_last] = problem.mask().key_range(b, 0, q_length);
   const Index lo = std::max(j0, keys_first), hi = std::min(j1, keys_last);
-  if (lo >= hi || mask.classify_heads(b, first_head, first_head + group, 0, q_length, lo, hi) ==
-                      TileVisibility::hidden)
+  if (lo >= hi || problem.mask().classify_heads(b, first_head, first_head + group, 0, q_length, lo,
+                                                hi) == TileVisibility::hidden)
     return;
 
   T* q_tile = workspace.q.data();  // pass 1: (rows, D)
@@ -274,7 +276,7 @@ void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
   for (Index c0 = lo; c0 < hi; c0 += key_block) {  // pass 2
     const Index c1 = std::min(c0 + key_block, hi), cols = c1 - c0;
     const TileVisibility visibility =
-        mask.classify_heads(b, first_head, first_head + group, 0, q_length, c0, c1);
+        problem.mask().classify_heads(b, first_head, first_head + group, 0, q_length, c0, c1);
     if (visibility == TileVisibility::hidden)
       continue;
     const SK* k_rows = row_data(k, b, kv_head, c0);
@@ -285,11 +287,11 @@ void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
       widen_rows(k_rows, k.row_stride, cols, dim, workspace.k.data());
       dot_scores(q_tile, dim, rows, workspace.k.data(), dim, cols, dim, s, s_stride);
     }
-    if (visibility == TileVisibility::partial || mask.modifies_scores()) {
+    if (visibility == TileVisibility::partial || problem.modifies_scores()) {
       for (Index g = 0; g < group; ++g) {
         Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> head_rows(
             s + g * q_length * s_stride, q_length, cols, Eigen::OuterStride<>(s_stride));
-        mask.apply(b, first_head + g, 0, c0, head_rows, visibility);
+        problem.apply(b, first_head + g, 0, c0, head_rows, visibility);
       }
     }
     row_maxima(s, s_stride, rows, cols, workspace.tile_max.data());
@@ -313,20 +315,20 @@ void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
 template <class T>
 void merge_splits(const T* partials, Index splits, Index partial_size, Index b, Index kv_head,
                   Index group, const HeadsView<T>& out,  // (B, Hq, Lq, Dv)
-                  const Mask<T>& mask, const RowValues<T>& logsumexp) {
+                  const AttentionProblem<T>& problem, const RowValues<T>& logsumexp) {
   const Index q_length = out.rows(b), rows = group * q_length, value_dim = out.dim;
   const Index layout_rows = group * out.length;
   for (Index r = 0; r < rows; ++r) {
     const Index h = kv_head * group + r / q_length, i = r % q_length;
     T* lse = logsumexp.data != nullptr ? logsumexp.head(b, h) + i : nullptr;
     if (splits == 0) {  // Lk = 0: no partials to point into; the row sees no key
-      finish_query<T>(0, nullptr, nullptr, 0, nullptr, 0, 1, value_dim, mask.sink(h),
+      finish_query<T>(0, nullptr, nullptr, 0, nullptr, 0, 1, value_dim, problem.sink(h),
                       out.head(b, h).row(i).data(), lse);
       continue;
     }
     // NOLINTNEXTLINE(readability-suspicious-call-argument): the splits are the parts
     finish_query(splits, partials + r, partials + layout_rows + r, partial_size,
                  partials + 2 * layout_rows + r * value_dim, partial_size, 1, value_dim,
-                 mask.sink(h), out.head(b, h).row(i).data(), lse);
+                 problem.sink(h), out.head(b, h).row(i).data(), lse);
   }
 }

@@ -207,8 +207,8 @@ void check_linear_options(const char* function, const LinearAttentionOptions<T>&
                                " (m, D) but q and k have D = " + std::to_string(q.dim));
   }
   // key_lengths: the same rules and messages as scaled_dot_product_attention.
-  (void)Mask<T>(function, q.batch, q.heads, q.length, k.length, options.causal, Window{},
-                options.key_lengths, {}, {});
+  (void)Mask(function, q.batch, q.heads, q.length, k.length, options.causal, Window{},
+             options.key_lengths);
 }
 
 /// The plan of a linear attention call on these views (attn/plan.hpp).
