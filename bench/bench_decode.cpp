@@ -53,33 +53,9 @@
 namespace {
 
 using attn::Index;
+using attn_bench::BM_bandwidth;
 using attn_bench::set_threads;
 using attn_bench::smoke;
-
-void BM_bandwidth(benchmark::State& state) {
-  const int threads = static_cast<int>(state.range(0));
-  set_threads(threads);
-  const std::size_t n = smoke() ? (std::size_t{1} << 20) : (std::size_t{1} << 27);  // 512 MiB
-  std::vector<float> data(n);
-  attn_bench::fill_normal(data, 3u);
-  const auto length = static_cast<std::int64_t>(n);
-  for (auto _ : state) {
-    double total = 0;
-#if ATTN_HAS_OPENMP
-#pragma omp parallel for num_threads(threads) reduction(+ : total) schedule(static)
-#endif
-    for (std::int64_t block = 0; block < length; block += 4096) {
-      const Eigen::Map<const Eigen::ArrayXf> part(data.data() + block,
-                                                  std::min<std::int64_t>(4096, length - block));
-      total += static_cast<double>(part.sum());
-    }
-    benchmark::DoNotOptimize(total);
-  }
-  state.counters["bytes"] = benchmark::Counter(static_cast<double>(n * sizeof(float)),
-                                               benchmark::Counter::kIsIterationInvariantRate,
-                                               benchmark::Counter::kIs1024);
-  set_threads(1);
-}
 
 enum class Kernel : std::int64_t { automatic = 0, flash = 1, decode = 2, naive = 3 };
 

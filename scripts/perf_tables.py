@@ -36,7 +36,8 @@ from collections import defaultdict
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
-PAGES = ["README.md", "docs/performance.md", "docs/quantized-cache.md", "docs/tiny_lm.md"]
+PAGES = ["README.md", "docs/performance.md", "docs/quantized-cache.md", "docs/tiny_lm.md",
+         "docs/serving.md"]
 BEGIN = re.compile(r"^<!-- perf-table: ([\w-]+) -->$")
 END = "<!-- /perf-table -->"
 ISAS = ["generic", "avx2", "avx512"]
@@ -446,6 +447,29 @@ def table_multihead():
     return lines
 
 
+def table_serving():
+    _, b = bench("serving.json")
+    probes = {t: b[f"bandwidth/threads:{t}"]["bytes"] for t in (1, 2)}
+    fma = rate(b["fma_peak/threads:1"])
+    lines = source("serving.json", probes="K/V bytes a call must read per second as shares of the "
+                   f"streaming probe `bandwidth` of the same run ({probes[1] / 2**30:.1f} GiB/s "
+                   f"one thread, {probes[2] / 2**30:.1f} two); the FMA probe `fma_peak` "
+                   f"{fma / 1e9:.0f} GFLOP/s")
+    lines += ["| B = 16, N = 4096, Lq = 1 | threads | per_sequence | its K/V rate | "
+              "shared_prefix | its K/V rate | speed-up |", "|---|---|---|---|---|---|---|"]
+    for n in (64, 512):
+        for t in (1, 2):
+            key = f"B:16/N:4096/n:{n}/threads:{t}"
+            if f"shared_prefix/{key}" not in b:
+                continue
+            per, shared = b[f"per_sequence/{key}"], b[f"shared_prefix/{key}"]
+            lines.append(f"| suffix n = {n} | {t} | {per['real_time']:.1f} ms | "
+                         f"{share(per['KV_bytes'], probes[t])} | {shared['real_time']:.1f} ms | "
+                         f"{share(shared['KV_bytes'], probes[t])} | "
+                         f"{per['real_time'] / shared['real_time']:.1f}x |")
+    return lines
+
+
 def table_readme():
     probes, rows = flash_isa_data()
     bandwidth, cells = decode_data()
@@ -500,6 +524,7 @@ TABLES = {
     "plan-sweep-summary": table_plan_sweep_summary,
     "plan-sweep-grid": table_plan_sweep_grid,
     "peers": table_peers,
+    "serving": table_serving,
 }
 
 

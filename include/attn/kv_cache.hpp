@@ -258,7 +258,34 @@ class KVCache {
   void attend_into(const HeadsView<const compute_type>& q,             // (B, Hq, Lq, D)
                    const AttentionOutputViews<compute_type>& outputs,  // out (B, Hq, Lq, Dv), ...
                    const AttentionOptions<compute_type>& options = {}) const {
-    constexpr const char* function = "KVCache::attend";
+    attend_cached("KVCache::attend", q, outputs, options, true);
+  }
+
+  /// attend_into() without the causal mask: every query sees every cached token of its
+  /// sequence (its own length when they are ragged), and the queries need not be in the
+  /// cache. Cross-attention to a cached encoder output, or a prefix that comes before all
+  /// the queries (attn/shared_prefix.hpp). The same options, outputs and kernels.
+  void attend_all_into(const HeadsView<const compute_type>& q,             // (B, Hq, Lq, D)
+                       const AttentionOutputViews<compute_type>& outputs,  // (B, Hq, Lq, Dv), ...
+                       const AttentionOptions<compute_type>& options = {}) const {
+    attend_cached("KVCache::attend_all", q, outputs, options, false);
+  }
+
+  /// attend_into() returning out (B, Hq, Lq, Dv); q is a rank-4 tensor (B, Hq, Lq, D).
+  Tensor<compute_type, 4> attend(const Tensor<compute_type, 4>& q,  // (B, Hq, Lq, D)
+                                 const AttentionOptions<compute_type>& options = {}) const {
+    Tensor<compute_type, 4> out(q.dimension(0), q.dimension(1), q.dimension(2), value_dim_);
+    attend_into(bhld_view(q), bhld_view(out), options);
+    return out;
+  }
+
+ private:
+  using C = compute_type;
+
+  /// attend_into() (causal) or attend_all_into(), `function` naming it in errors.
+  void attend_cached(const char* function, const HeadsView<const C>& q,  // (B, Hq, Lq, D)
+                     const AttentionOutputViews<C>& outputs,             // (B, Hq, Lq, Dv), ...
+                     const AttentionOptions<C>& options, bool causal) const {
     const HeadsView<compute_type>& out = outputs.out;
     // The rules and wording of scaled_dot_product_attention, k and v being the cache's.
     const HeadsView<const S> keys = keys_view();
@@ -271,11 +298,12 @@ class KVCache {
     if (options.causal != Causal::none || !options.key_lengths.empty() ||
         !options.query_lengths.empty()) {
       detail::throw_invalid_argument(
-          function,
-          "options.causal, options.key_lengths and options.query_lengths must be unset: the "
-          "cache applies the bottom-right causal mask and its own lengths");
+          function, std::string("options.causal, options.key_lengths and options.query_lengths "
+                                "must be unset: the cache applies ") +
+                        (causal ? "the bottom-right causal mask and its own lengths"
+                                : "its own lengths (every query sees every cached token)"));
     }
-    for (Index b = 0; b < batch_; ++b) {
+    for (Index b = 0; b < batch_ && causal; ++b) {
       if (lengths_[static_cast<std::size_t>(b)] < q.length) {
         detail::throw_invalid_argument(
             function, "q is " + detail::shape_string({q.batch, q.heads, q.length, q.dim}) + ": " +
@@ -292,11 +320,11 @@ class KVCache {
     // a 16-bit cache widened as it is read, a quantized one dequantized), their messages
     // naming KVCache::attend.
     AttentionOptions<C> o = options;
-    o.causal = Causal::bottom_right;
+    o.causal = causal ? Causal::bottom_right : Causal::none;
     if (std::any_of(lengths_.begin(), lengths_.end(), [&](Index n) { return n != max_length(); }))
       o.key_lengths = lengths_;
     if (rotation_ == KVRotation::none)
-      return attend_stored(q, outputs, o);
+      return attend_stored(function, q, outputs, o);
     // The queries rotated like the keys; the output, rotated like the values, turned back.
     // The outputs are checked against the caller's q here: the kernels see only a copy.
     detail::check_output_aliasing(function, q, keys, values, out);
@@ -310,7 +338,7 @@ class KVCache {
           hadamard_rotate(q_rotated.head(b, h).row(i).data(), dim_);
       }
     }
-    attend_stored(q_rotated, outputs, o);
+    attend_stored(function, q_rotated, outputs, o);
     for (Index b = 0; b < out.batch; ++b) {
       for (Index h = 0; h < out.heads; ++h) {
         for (Index i = 0; i < out.length; ++i)
@@ -318,19 +346,6 @@ class KVCache {
       }
     }
   }
-
-  /// attend_into() returning out (B, Hq, Lq, Dv); q is a rank-4 tensor (B, Hq, Lq, D).
-  Tensor<compute_type, 4> attend(const Tensor<compute_type, 4>& q,  // (B, Hq, Lq, D)
-                                 const AttentionOptions<compute_type>& options = {}) const {
-    Tensor<compute_type, 4> out(q.dimension(0), q.dimension(1), q.dimension(2), value_dim_);
-    attend_into(bhld_view(q), bhld_view(out), options);
-    return out;
-  }
-
- private:
-  using C = compute_type;
-
-  static constexpr const char* attend_name = "KVCache::attend";
 
   template <class X>
   HeadsView<const X> view(const X* data, Index units) const {
@@ -351,36 +366,37 @@ class KVCache {
   }
 
   /// attend_into() after the cache's own checks and options, q rotated when the rows are.
-  void attend_stored(const HeadsView<const C>& q,             // (B, Hq, Lq, D)
+  void attend_stored(const char* function,
+                     const HeadsView<const C>& q,             // (B, Hq, Lq, D)
                      const AttentionOutputViews<C>& outputs,  // out (B, Hq, Lq, Dv), ...
                      const AttentionOptions<C>& options) const {
     const HeadsView<const S> keys = keys_view();
     const HeadsView<const SV> values = values_view();
     if constexpr (!quantized) {
-      detail::attention_into<C, S, C>(attend_name, q, keys, values, outputs, options);
+      detail::attention_into<C, S, C>(function, q, keys, values, outputs, options);
     } else {
       // The checks of attention_into that concern a quantized cache, in its words.
-      detail::check_output_aliasing(attend_name, q, keys, values, outputs.out);
+      detail::check_output_aliasing(function, q, keys, values, outputs.out);
       if (outputs.weights) {
-        detail::throw_invalid_argument(attend_name,
+        detail::throw_invalid_argument(function,
                                        "weights are not available with a quantized cache (its "
                                        "kernels, decode and flash, never form them)");
       }
-      detail::check_optional_outputs(attend_name, q, keys, values, outputs);
+      detail::check_optional_outputs(function, q, keys, values, outputs);
       if (options.algorithm != Algorithm::automatic && options.algorithm != Algorithm::decode &&
           options.algorithm != Algorithm::flash) {
         detail::throw_invalid_argument(
-            attend_name, std::string("options.algorithm is ") + algorithm_name(options.algorithm) +
-                             ": a quantized cache runs the decode or the flash kernel (automatic, "
-                             "decode or flash)");
+            function, std::string("options.algorithm is ") + algorithm_name(options.algorithm) +
+                          ": a quantized cache runs the decode or the flash kernel (automatic, "
+                          "decode or flash)");
       }
-      const C scale = detail::resolve_scale(attend_name, options.scale, q.dim);
+      const C scale = detail::resolve_scale(function, options.scale, q.dim);
       AttentionShape shape{q.batch,      q.heads, kv_heads_,  q.length,
                            max_length(), dim_,    value_dim_, 1};
       shape.kv_quantized = true;
-      const KernelPlan plan = plan_attention<C>(shape, options, false, attend_name);
-      const AttentionProblem<C> problem(attend_name, q.batch, q.heads, q.length, max_length(),
-                                        options, plan.isa);
+      const KernelPlan plan = plan_attention<C>(shape, options, false, function);
+      const AttentionProblem<C> problem(function, q.batch, q.heads, q.length, max_length(), options,
+                                        plan.isa);
       const detail::RowValues<C> logsumexp =
           outputs.logsumexp ? detail::row_values(*outputs.logsumexp) : detail::RowValues<C>{};
       if (plan.algorithm == Algorithm::decode)
