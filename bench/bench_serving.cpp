@@ -1,5 +1,5 @@
-// bench/bench_serving.cpp: the serving state around the kernel, one decoding step of many
-// sequences that share a prompt.
+// bench/bench_serving.cpp: the serving state around the kernel: one decoding step of many
+// sequences that share a prompt, and of many sequences held in pages.
 //
 //   q         (B, Hq, 1, D)      one new token per sequence, float
 //   prefix    KVCache, batch 1   the shared prompt, N tokens
@@ -13,11 +13,16 @@
 //                   merged (attn/shared_prefix.hpp)
 //   per_sequence    KVCache::attend_into over `whole`: the decode kernel reads the prefix
 //                   once per sequence
+//   paged           PagedKVCache::attend_into, B sequences of N tokens each in pages of P
+//                   (args B, N, P, threads), the pages of the B sequences interleaved in
+//                   the pool (appended P tokens at a time, every sequence in turn)
+//   contiguous      KVCache::attend_into over the same tokens (args B, N, 0, threads)
 //   bandwidth       the streaming probe (a 512 MiB float array summed, one pass an
 //                   iteration), the ceiling of per_sequence
 //   fma_peak        the FMA probe (common.hpp), the ceiling of the prefix pass
 // Counters: KV_bytes, the K/V bytes each call must read (the prefix once for shared_prefix,
-// B times for per_sequence) as a rate; both results are checked against each other first.
+// B times for per_sequence) as a rate; both results are checked against each other first
+// (paged against contiguous likewise, bit for bit when P is a multiple of 64).
 //
 //   build/dev/bench/bench_serving --benchmark_filter='shared_prefix|per_sequence'
 // ATTN_BENCH_SMOKE=1 (ctest) shrinks every size.
@@ -27,10 +32,12 @@
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include <attn/kv_cache.hpp>
+#include <attn/paged_kv_cache.hpp>
 #include <attn/shared_prefix.hpp>
 
 #include "common.hpp"
@@ -135,6 +142,76 @@ void BM_per_sequence(benchmark::State& state) {
                           static_cast<double>(z.batch * (z.prefix + z.suffix)));
 }
 
+/// B sequences of N tokens, in a KVCache and in a PagedKVCache with pages of P (P = 0: none).
+struct Decoding {
+  attn::KVCache<float> contiguous;
+  attn::PagedKVCache<float> paged;
+  std::vector<Index> ids;
+  std::vector<float> q, out;
+  Index batch;
+
+  Decoding(Index b, Index length, Index page_size)
+      : contiguous(b, kv_heads, dim, dim, page_size == 0 ? length : 0),
+        paged(kv_heads, dim, dim, std::max(page_size, Index(1)),
+              page_size == 0 ? 0 : b * ((length + page_size - 1) / page_size)),
+        q(static_cast<std::size_t>(b * q_heads * dim)),
+        out(q.size()),
+        batch(b) {
+    std::vector<float> k(static_cast<std::size_t>(b * kv_heads * length * dim)), v(k.size());
+    attn_bench::fill_normal(k, 6u);
+    attn_bench::fill_normal(v, 7u);
+    attn_bench::fill_normal(q, 8u);
+    const attn::HeadsView<const float> all_k = attn::bhld_view(k.data(), b, kv_heads, length, dim);
+    const attn::HeadsView<const float> all_v = attn::bhld_view(v.data(), b, kv_heads, length, dim);
+    if (page_size == 0) {
+      contiguous.append(all_k, all_v);
+      return;
+    }
+    for (Index s = 0; s < b; ++s)
+      ids.push_back(paged.add_sequence());
+    for (Index t = 0; t < length; t += page_size) {  // P tokens of every sequence in turn
+      attn::HeadsView<const float> kt = all_k, vt = all_v;
+      kt.data += t * dim;
+      vt.data += t * dim;
+      kt.length = vt.length = std::min(page_size, length - t);
+      paged.append(ids, kt, vt);
+    }
+    if (smoke())  // the two agree (checked once, on the small sizes)
+      contiguous.append(all_k, all_v);
+  }
+
+  attn::HeadsView<const float> queries() const {
+    return attn::bhld_view(q.data(), batch, q_heads, 1, dim);
+  }
+  attn::HeadsView<float> output() { return attn::bhld_view(out.data(), batch, q_heads, 1, dim); }
+};
+
+void BM_decoding(benchmark::State& state) {
+  const bool paged = state.range(2) > 0;
+  const Index batch = smoke() ? 2 : state.range(0), length = smoke() ? 300 : state.range(1);
+  const Index page_size = smoke() && paged ? 64 : state.range(2);
+  set_threads(static_cast<int>(state.range(3)));
+  Decoding d(batch, length, page_size);
+  attn::AttentionOptions<float> options;
+  options.algorithm = attn::Algorithm::decode;
+  if (paged && smoke()) {
+    std::vector<float> expected(d.out.size());
+    d.contiguous.attend_into(d.queries(), attn::bhld_view(expected.data(), batch, q_heads, 1, dim),
+                             options);
+    d.paged.attend_into(d.ids, d.queries(), d.output(), options);
+    if (expected != d.out)
+      throw std::runtime_error("bench_serving: paged and contiguous decoding differ");
+  }
+  for (auto _ : state) {
+    if (paged)
+      d.paged.attend_into(d.ids, d.queries(), d.output(), options);
+    else
+      d.contiguous.attend_into(d.queries(), d.output(), options);
+    benchmark::ClobberMemory();
+  }
+  set_counters(state, 2.0 * kv_heads * dim * sizeof(float) * static_cast<double>(batch * length));
+}
+
 void register_benchmarks() {
   attn_bench::register_fma_peak();
   benchmark::RegisterBenchmark("bandwidth", BM_bandwidth)
@@ -152,6 +229,20 @@ void register_benchmarks() {
     for (const int threads : {1, 2}) {
       for (const Index suffix : {64, 512})
         b->Args({16, 4096, suffix, threads});
+    }
+  }
+  for (const char* name : {"contiguous", "paged"}) {
+    auto* b = benchmark::RegisterBenchmark(name, BM_decoding)
+                  ->ArgNames({"B", "N", "P", "threads"})
+                  ->UseRealTime()
+                  ->Unit(benchmark::kMillisecond);
+    for (const int threads : {1, 2}) {
+      if (name == std::string("contiguous")) {
+        b->Args({16, 4096, 0, threads});
+      } else {
+        for (const Index page_size : {16, 64, 128})
+          b->Args({16, 4096, page_size, threads});
+      }
     }
   }
 }

@@ -470,6 +470,25 @@ def table_serving():
     return lines
 
 
+def table_serving_paged():
+    _, b = bench("serving.json")
+    probes = {t: b[f"bandwidth/threads:{t}"]["bytes"] for t in (1, 2)}
+    lines = source("serving.json", probes="K/V bytes a call reads per second as shares of the "
+                   f"streaming probe `bandwidth` of the same run ({probes[1] / 2**30:.1f} GiB/s "
+                   f"one thread, {probes[2] / 2**30:.1f} two)")
+    lines += ["| B = 16, N = 4096, Lq = 1, float | threads | time | K/V rate | share of the "
+              "probe | time over the contiguous cache's |", "|---|---|---|---|---|---|"]
+    for t in (1, 2):
+        contiguous = b[f"contiguous/B:16/N:4096/P:0/threads:{t}"]
+        for page in (0, 16, 64, 128):
+            e = b[f"{'paged' if page else 'contiguous'}/B:16/N:4096/P:{page}/threads:{t}"]
+            label = f"pages of {page}" if page else "`KVCache` (contiguous)"
+            lines.append(f"| {label} | {t} | {e['real_time']:.1f} ms | "
+                         f"{e['KV_bytes'] / 2**30:.1f} GiB/s | {share(e['KV_bytes'], probes[t])} | "
+                         f"{e['real_time'] / contiguous['real_time']:.2f} |")
+    return lines
+
+
 def table_readme():
     probes, rows = flash_isa_data()
     bandwidth, cells = decode_data()
@@ -525,6 +544,7 @@ TABLES = {
     "plan-sweep-grid": table_plan_sweep_grid,
     "peers": table_peers,
     "serving": table_serving,
+    "serving-paged": table_serving_paged,
 }
 
 

@@ -20,6 +20,7 @@
 #include "attn/mods.hpp"
 #include "attn/multihead.hpp"
 #include "attn/options.hpp"
+#include "attn/paged_kv_cache.hpp"
 #include "attn/plan.hpp"
 #include "attn/precision.hpp"
 #include "attn/problem.hpp"

@@ -49,6 +49,7 @@
 #include <Eigen/Core>
 
 #include "attn/attention.hpp"
+#include "attn/cache/rows.hpp"
 #include "attn/config.hpp"
 #include "attn/hadamard.hpp"
 #include "attn/kernels/decode.hpp"
@@ -59,9 +60,6 @@
 #include "attn/tensor.hpp"
 
 namespace attn {
-
-/// Whether a KVCache rotates its rows by a Hadamard matrix (attn/hadamard.hpp).
-enum class KVRotation { none, hadamard };
 
 /// Key/value cache of B sequences, Hkv heads, head dims D (keys) and Dv (values), keys
 /// stored as S and values as SV.
@@ -184,52 +182,9 @@ class KVCache {
               const RotaryEmbedding<compute_type>& rotary, const std::vector<Index>& counts = {}) {
     constexpr const char* function = "KVCache::append";
     check_append(function, keys, values, counts);
-    if (rotary.dim() != dim_) {
-      detail::throw_invalid_argument(
-          function, rotary.dim() == 0
-                        ? std::string("the rotary embedding is empty (default-constructed)")
-                        : "the rotary embedding's head dim is " + std::to_string(rotary.dim()) +
-                              " but the cache's key head dim D is " + std::to_string(dim_));
-    }
-    // The new keys packed (sum of counts, Hkv, D) in C, sequence b's rows starting at
-    // offsets[b]: one apply() turns each sequence's rows from its own cached length.
-    std::vector<Index> offsets(static_cast<std::size_t>(batch_ + 1), 0);
-    for (Index b = 0; b < batch_; ++b) {
-      const Index first = lengths_[static_cast<std::size_t>(b)], n = count_of(keys, counts, b);
-      if (n > 0 && first > rotary.max_positions() - n) {
-        detail::throw_invalid_argument(
-            function, "sequence " + std::to_string(b) + " holds " + std::to_string(first) +
-                          " tokens: its " + std::to_string(n) + " new keys need positions [" +
-                          std::to_string(first) + ", " + std::to_string(first + n) +
-                          ") but the rotary table holds [0, " +
-                          std::to_string(rotary.max_positions()) + ")");
-      }
-      offsets[static_cast<std::size_t>(b + 1)] = offsets[static_cast<std::size_t>(b)] + n;
-    }
-    const Index rows = offsets.back(), width = kv_heads_ * dim_;
-    std::vector<C> rotated(static_cast<std::size_t>(rows * width));
-    const HeadsView<C> packed = detail::unchecked_packed_view(
-        blhd_view(rotated.data(), Index(1), rows, kv_heads_, dim_), offsets);
-    for (Index b = 0; b < batch_; ++b) {
-      for (Index h = 0; h < kv_heads_; ++h) {
-        const HeadMatrix<const U> from = keys.head(b, h);
-        HeadMatrix<C> to = packed.head(b, h);
-        for (Index r = 0; r < to.rows(); ++r) {
-          for (Index d = 0; d < dim_; ++d) {
-            if constexpr (is_16bit_scalar_v<U>)
-              to(r, d) = static_cast<C>(static_cast<float>(from(r, d)));
-            else
-              to(r, d) = static_cast<C>(from(r, d));
-          }
-        }
-      }
-    }
-    rotary.apply(packed, lengths_);
-    // The packed rows as (B, Hkv, Lnew, D): store_all reads the first counts[b] of each.
-    std::vector<Index> used(static_cast<std::size_t>(batch_));
-    for (Index b = 0; b < batch_; ++b)
-      used[static_cast<std::size_t>(b)] = count_of(keys, counts, b);
-    store_all(HeadsView<const C>(packed), values, used);
+    const detail::RotatedKeys<C> rotated =
+        detail::rotate_new_keys(function, keys, counts, lengths_, rotary);
+    store_all(HeadsView<const C>(rotated.view), values, rotated.counts);
   }
 
   /// append() for rank-4 tensors or tensor maps (B, Hkv, Lnew, D) and (B, Hkv, Lnew, Dv).
@@ -426,35 +381,7 @@ class KVCache {
   template <class U, class V>
   void check_append(const char* function, const HeadsView<const U>& keys,
                     const HeadsView<const V>& values, const std::vector<Index>& counts) const {
-    const auto shapes = [&] {
-      return "keys are " + detail::shape_string({keys.batch, keys.heads, keys.length, keys.dim}) +
-             ", values are " +
-             detail::shape_string({values.batch, values.heads, values.length, values.dim}) +
-             " and the cache is (B, Hkv, D, Dv) = " +
-             detail::shape_string({batch_, kv_heads_, dim_, value_dim_});
-    };
-    if (keys.batch != batch_ || values.batch != batch_)
-      detail::throw_invalid_argument(function, shapes() + ": batch sizes differ");
-    if (keys.heads != kv_heads_ || values.heads != kv_heads_)
-      detail::throw_invalid_argument(function, shapes() + ": head counts differ");
-    if (keys.dim != dim_ || values.dim != value_dim_)
-      detail::throw_invalid_argument(function, shapes() + ": head dims differ");
-    if (keys.length != values.length)
-      detail::throw_invalid_argument(function, shapes() + ": keys and values lengths differ");
-    if (!counts.empty()) {
-      if (static_cast<Index>(counts.size()) != batch_) {
-        detail::throw_invalid_argument(function, "counts has " + std::to_string(counts.size()) +
-                                                     " entries but the batch size is " +
-                                                     std::to_string(batch_));
-      }
-      for (std::size_t b = 0; b < counts.size(); ++b) {
-        if (counts[b] < 0 || counts[b] > keys.length) {
-          detail::throw_invalid_argument(
-              function, "counts[" + std::to_string(b) + "] is " + std::to_string(counts[b]) +
-                            ": must lie in [0, Lnew] with Lnew = " + std::to_string(keys.length));
-        }
-      }
-    }
+    detail::check_new_rows(function, keys, values, counts, batch_, kv_heads_, dim_, value_dim_);
     Index needed = 0;
     for (Index b = 0; b < batch_; ++b)
       needed = std::max(needed, lengths_[static_cast<std::size_t>(b)] + count_of(keys, counts, b));
@@ -480,56 +407,12 @@ class KVCache {
     for (Index b = 0; b < batch_; ++b) {
       const Index length = lengths_[static_cast<std::size_t>(b)], n = count_of(keys, counts, b);
       for (Index h = 0; h < kv_heads_; ++h) {
-        store(keys, b, h, n, keys_.data() + row_offset(b, h, length, key_units()), dim_);
-        store(values, b, h, n, values_.data() + row_offset(b, h, length, value_units()),
-              value_dim_);
+        detail::store_cache_rows<C>(keys, b, h, 0, n, rotation_,
+                                    keys_.data() + row_offset(b, h, length, key_units()));
+        detail::store_cache_rows<C>(values, b, h, 0, n, rotation_,
+                                    values_.data() + row_offset(b, h, length, value_units()));
       }
       lengths_[static_cast<std::size_t>(b)] = length + n;
-    }
-  }
-
-  /// Rows [0, n) of head (b, h) of `x` into `dst` (n rows of `dim` values, stored as X),
-  /// rotated when the cache rotates, quantized when X is a block.
-  template <class U, class X>
-  void store(const HeadsView<const U>& x, Index b, Index h, Index n, X* dst, Index dim) const {
-    if (n == 0)
-      return;
-    const HeadMatrix<const U> rows = x.head(b, h);
-    const auto value = [](U u) {
-      if constexpr (is_16bit_scalar_v<U>)  // half <-> bfloat16 convert through float
-        return static_cast<float>(u);
-      else
-        return u;
-    };
-    if constexpr (!is_quantized_v<X>) {
-      if (rotation_ == KVRotation::none) {
-        for (Index r = 0; r < n; ++r) {
-          const U* src = rows.row(r).data();
-          if constexpr (std::is_same_v<U, X>)
-            std::copy(src, src + dim, dst + r * dim);
-          else
-            for (Index d = 0; d < dim; ++d)
-              dst[r * dim + d] = static_cast<X>(value(src[d]));
-        }
-        return;
-      }
-    }
-    // Each row through a buffer in the compute type: rotated, then rounded to X once.
-    std::vector<C> row(static_cast<std::size_t>(dim));
-    std::vector<float> narrow(is_quantized_v<X> ? static_cast<std::size_t>(dim) : 0);
-    for (Index r = 0; r < n; ++r) {
-      const U* src = rows.row(r).data();
-      for (Index d = 0; d < dim; ++d)
-        row[static_cast<std::size_t>(d)] = static_cast<C>(value(src[d]));
-      if (rotation_ == KVRotation::hadamard)
-        hadamard_rotate(row.data(), dim);
-      if constexpr (is_quantized_v<X>) {
-        std::copy(row.begin(), row.end(), narrow.begin());
-        quantize_blocks(narrow.data(), dim, dst + r * (dim / quantized_block_values));
-      } else {
-        for (Index d = 0; d < dim; ++d)
-          dst[r * dim + d] = static_cast<X>(row[static_cast<std::size_t>(d)]);
-      }
     }
   }
 

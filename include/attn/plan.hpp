@@ -34,6 +34,9 @@ struct AttentionShape {
   /// Whether K or V is stored in quantized blocks (q8_0, q4_0; kv_element_bytes then 1):
   /// only decode and flash read them, and the automatic choice is quantized_decode_max_queries.
   bool kv_quantized = false;
+  /// Whether K and V lie in pages (attn/paged_kv_cache.hpp): only decode and flash read
+  /// them, decode taking up to decode_max_queries (or quantized_decode_max_queries) queries.
+  bool kv_paged = false;
   /// Whether a causal mask hides the keys above each query's diagonal: flash then takes
   /// shorter query tiles (default_query_tile).
   bool causal = false;
@@ -260,6 +263,10 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
     if (shape.kv_quantized) {  // (naive cannot read blocks; KVCache refuses weights)
       plan.algorithm = !dropout && q_length <= quantized_decode_max_queries(isa) ? Algorithm::decode
                                                                                  : Algorithm::flash;
+    } else if (shape.kv_paged) {  // (naive cannot read pages; the paged cache refuses weights)
+      plan.algorithm = !dropout && q_length <= decode_max_queries(isa, kv_bytes == 2, flash_bytes)
+                           ? Algorithm::decode
+                           : Algorithm::flash;
     } else if (wants_weights ||
                group * q_length <= automatic_choice(isa, kv_bytes == 2).naive_max_rows) {
       plan.algorithm = Algorithm::naive;

@@ -65,12 +65,21 @@ HeadMatrixT middle_rows(HeadMatrixT m, Index first, Index count) {
 /// A packed view (packed_view()) holds B sequences of different lengths one after another
 /// in (T, H, D) memory: `row_offsets` (B + 1 entries, FlashAttention's cu_seqlens) gives
 /// where each starts, sequence b has rows(b) rows and `length` is the longest.
+///
+/// A paged view (attn/paged_kv_cache.hpp) holds each sequence's rows in pages of
+/// `page_rows` rows taken from a pool at `data`: row r of sequence b lies in pool page
+/// pages[b * pages_stride + r / page_rows] (negative: released, never read), which starts
+/// batch_stride elements after the previous page; within a page the heads are head_stride
+/// apart and the rows row_stride. Only the decode and flash kernels read paged views
+/// (through row_data and contiguous_rows); head() refuses them.
 template <class T>
 struct HeadsView {
   T* data = nullptr;
   Index batch = 0, heads = 0, length = 0, dim = 0;          // (B, H, L, D)
   Index batch_stride = 0, head_stride = 0, row_stride = 0;  // in elements
   const Index* row_offsets = nullptr;                       // (B + 1), packed views only
+  const Index* pages = nullptr;                             // (B, pages_stride), paged only
+  Index page_rows = 0, pages_stride = 0;                    // paged views only
 
   /// Rows of sequence b: `length`, or its own length in a packed view.
   Index rows(Index b) const {
@@ -79,7 +88,7 @@ struct HeadsView {
 
   /// The (rows(b), D) matrix of batch b, head h.
   HeadMatrix<T> head(Index b, Index h) const {
-    ATTN_ASSERT(b >= 0 && b < batch && h >= 0 && h < heads);
+    ATTN_ASSERT(b >= 0 && b < batch && h >= 0 && h < heads && pages == nullptr);
     const Index first = row_offsets == nullptr ? b * batch_stride : row_offsets[b] * row_stride;
     // No arithmetic on the null data of an empty view (e.g. a (1, H, 0, D) sequence).
     T* base = data == nullptr ? nullptr : data + first + h * head_stride;
@@ -90,7 +99,8 @@ struct HeadsView {
 
   /// A read-only view of the same memory.
   operator HeadsView<const T>() const {  // NOLINT(google-explicit-constructor): const view
-    return {data, batch, heads, length, dim, batch_stride, head_stride, row_stride, row_offsets};
+    return {data,        batch,      heads,       length, dim,       batch_stride,
+            head_stride, row_stride, row_offsets, pages,  page_rows, pages_stride};
   }
 };
 
@@ -122,9 +132,35 @@ inline void check_sequence_offsets(const char* function, const char* name,
 /// matrix, so also for views of quantized blocks (attn/quantized.hpp).
 template <class T>
 T* row_data(const HeadsView<T>& x, Index b, Index h, Index row) {
+  if (x.pages != nullptr) {
+    const Index page = x.pages[b * x.pages_stride + row / x.page_rows];
+    return x.data + page * x.batch_stride + h * x.head_stride + (row % x.page_rows) * x.row_stride;
+  }
   const Index first =
       x.row_offsets == nullptr ? b * x.batch_stride : x.row_offsets[b] * x.row_stride;
   return x.data + first + h * x.head_stride + row * x.row_stride;
+}
+
+/// Where the rows after the run [row, row + count) of head (b, h) continue: the next page's
+/// row_data in a paged view while that page is held, else right after the run in memory
+/// (where an unpaged view continues; the address may lie past the data, for prefetching
+/// only). What the decode kernel's prefetches request ahead of the rows it reads.
+template <class T>
+T* rows_after(const HeadsView<T>& x, Index b, Index h, Index row, Index count) {
+  const Index next = row + count;
+  if (x.pages != nullptr && next / x.page_rows < x.pages_stride &&
+      x.pages[b * x.pages_stride + next / x.page_rows] >= 0 && next % x.page_rows == 0)
+    return row_data(x, b, h, next);
+  const auto after = reinterpret_cast<std::uintptr_t>(row_data(x, b, h, row)) +
+                     static_cast<std::uintptr_t>(count * x.row_stride) * sizeof(T);
+  return reinterpret_cast<T*>(after);  // NOLINT(performance-no-int-to-ptr): never dereferenced
+}
+
+/// How many rows from `row` on lie in the same memory run as `row` (row_stride apart): the
+/// rest of its page in a paged view, else all the rest of the head.
+template <class T>
+Index contiguous_rows(const HeadsView<T>& x, Index row) {
+  return x.pages == nullptr ? x.length - row : x.page_rows - row % x.page_rows;
 }
 
 /// packed_view() without its checks, for offsets the caller has validated.

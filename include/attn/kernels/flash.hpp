@@ -16,7 +16,7 @@
 // rounded up to whole vectors (16 floats for AVX-512, 8 for AVX2) and Bk = min(key tile, Lk):
 // W * (D + Bk + Dv + 6) scalars and 3 * W 32-bit integers (kernels/workspace.hpp: q tile,
 // scores, accumulator, six row vectors; the key bounds and dropout keys of the tile's rows),
-// plus Bk * (D + Dv) scalars when k or v is stored in 16 bits or blocks (on every path) and
+// plus Bk * (D + Dv) scalars when k or v is stored in 16 bits, blocks or pages (on every path) and
 // Bq * (D + Dv) when q and out are; independent of Lq and Lk. Float, D = Dv = 64, default
 // tiles: 197 KiB (128 x 256), 98 KiB causal (64 x 256).
 #pragma once
@@ -63,7 +63,8 @@ void run_flash(const KernelPlan& plan,
     Scratch scratch;
     scratch.workspace.reserve_flash(kernels.padded(std::min(query_tile, q_length)), key_tile, q.dim,
                                     v.dim * values_per_unit_v<TV>,
-                                    !std::is_same_v<TK, T> || !std::is_same_v<TV, T>);
+                                    !std::is_same_v<TK, T> || !std::is_same_v<TV, T> ||
+                                        k.pages != nullptr || v.pages != nullptr);
     return scratch;
   };
   for_each_item(plan.work_items, plan.parallel, make_scratch, [&](Index item, Scratch& s) {
@@ -72,9 +73,9 @@ void run_flash(const KernelPlan& plan,
       return;
     const HeadMatrix<const T> q_rows = rows_as<T, TQ>(plan.isa, q.head(b, h), i0, rows, s.q_rows);
     T* lse = logsumexp.head(b, h);
-    kernels.flash_tile(q_rows, k.head(b, h / group), v.head(b, h / group),
-                       s.out_rows.rows(out.head(b, h), i0, rows), problem, b, h, scale, i0,
-                       key_tile, s.workspace, lse != nullptr ? lse + i0 : nullptr);
+    kernels.flash_tile(q_rows, k, v, s.out_rows.rows(out.head(b, h), i0, rows), problem, b, h,
+                       h / group, scale, i0, key_tile, s.workspace,
+                       lse != nullptr ? lse + i0 : nullptr);
     s.out_rows.store(out.head(b, h), i0, rows);
   });
 }

@@ -182,9 +182,11 @@ inline void widen(const BlockQ4_0* src, float* dst, Index n) {
 
 // --- Decode: queries on the rows --------------------------------------------------------
 
+// (The vector sets' dot_scores and weighted_sum take the next block's rows, which their
+// software prefetches request; Eigen's products here prefetch nothing.)
 template <class T>
 void dot_scores(const T* q, Index q_stride, Index rows, const T* k, Index k_stride, Index keys,
-                Index dim, T* s, Index s_stride) {
+                Index dim, T* s, Index s_stride, const T* /*k_ahead*/) {
   const ConstRowsMap<T> k_block(k, keys, dim, Eigen::OuterStride<>(k_stride));
   RowsMap<T> scores_block(s, rows, keys, Eigen::OuterStride<>(s_stride));
   // One matrix-vector product per row: Eigen's GEMM packs both operands, which at
@@ -216,7 +218,7 @@ void exp_rows(T* s, Index s_stride, Index rows, Index cols, const T* shift, T* s
 
 template <class T>
 void weighted_sum(const T* p, Index p_stride, Index rows, const T* v, Index v_stride, Index keys,
-                  Index value_dim, const T* alpha, T* acc, Index acc_stride) {
+                  Index value_dim, const T* alpha, T* acc, Index acc_stride, const T* /*v_ahead*/) {
   const ConstRowsMap<T> v_block(v, keys, value_dim, Eigen::OuterStride<>(v_stride));
   for (Index r = 0; r < rows; ++r) {
     RowsMap<T> acc_row(acc + r * acc_stride, 1, value_dim, Eigen::OuterStride<>(acc_stride));

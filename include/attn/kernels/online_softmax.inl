@@ -114,24 +114,40 @@ inline void widen_rows(const S* rows, Index stride, Index count, Index dim, floa
     widen(rows + r * stride, dst + r * dim, dim);
 }
 
-/// Rows [first, first + count) of one head in the compute scalar T: the memory itself when
-/// S is T, else widened or dequantized into `buffer` (at least (count, values per row)).
+/// Rows [first, first + count) of head (b, h) of x in the compute scalar T: the memory itself
+/// when S is T and the rows are one run (always, unless x is paged), else widened,
+/// dequantized or copied run by run into `buffer` (at least (count, values per row)). Rows
+/// of a released page read as zeros: the caller's mask hides them.
 template <class T, class S>
-inline HeadMatrix<const T> tile_rows(const HeadMatrix<const S>& x,  // (L, units per row)
-                                     Index first, Index count, Scratch<T>& buffer) {
+inline HeadMatrix<const T> tile_rows(const HeadsView<const S>& x,  // (B, H, L, units per row)
+                                     Index b, Index h, Index first, Index count,
+                                     Scratch<T>& buffer) {
+  const Index dim = x.dim * values_per_unit_v<S>;
   if constexpr (std::is_same_v<S, T>) {
-    return middle_rows(x, first, count);
-  } else {
-    const Index dim = x.cols() * values_per_unit_v<S>;
-    widen_rows(x.row(first).data(), x.outerStride(), count, dim, buffer.data());
-    return HeadMatrix<const T>(buffer.data(), count, dim, Eigen::OuterStride<>(dim));
+    if (count <= contiguous_rows(x, first)) {
+      return HeadMatrix<const T>(row_data(x, b, h, first), count, dim,
+                                 Eigen::OuterStride<>(x.row_stride));
+    }
   }
+  for (Index r = first, n = 0; r < first + count; r += n) {
+    n = std::min(first + count - r, contiguous_rows(x, r));
+    T* to = buffer.data() + (r - first) * dim;
+    if (x.pages != nullptr && x.pages[b * x.pages_stride + r / x.page_rows] < 0) {
+      std::fill_n(to, n * dim, T(0));
+    } else if constexpr (std::is_same_v<S, T>) {
+      for (Index i = 0; i < n; ++i)
+        std::copy_n(row_data(x, b, h, r + i), dim, to + i * dim);
+    } else {
+      widen_rows(row_data(x, b, h, r), x.row_stride, n, dim, to);
+    }
+  }
+  return HeadMatrix<const T>(buffer.data(), count, dim, Eigen::OuterStride<>(dim));
 }
 
 /// Flash attention for queries [i0, i0 + rows) of one (batch b, query head h) pair, whose
-/// rows of q and out are given; k and v are the whole head, stored as SK and SV (T, or
-/// 16-bit or quantized blocks widened tile by tile). `workspace` is reserved for at least
-/// padded(rows) queries and key_tile keys.
+/// rows of q and out are given, against head kv_head of k and v, stored as SK and SV (T,
+/// or 16-bit or quantized blocks widened tile by tile; contiguous, packed or paged). `workspace` is
+/// reserved for at least padded(rows) queries and key_tile keys.
 ///   pass 1: qt = scale * q tile^T                    (the scale folded into the operand)
 ///   pass 2: for each key tile [j0, j1) the mask does not hide:
 ///             st = k[j0:j1] qt                        (the column maxima in the same pass
@@ -141,16 +157,16 @@ inline HeadMatrix<const T> tile_rows(const HeadMatrix<const S>& x,  // (L, units
 ///             ot = alpha ot + v[j0:j1]^T st
 ///   pass 3: out = ot^T / l (zeros when the query sees nothing), logsumexp = m + log l
 template <class T, class SK, class SV = SK>
-void flash_tile(const HeadMatrix<const T>& q,   // (rows, D)  queries i0 ..
-                const HeadMatrix<const SK>& k,  // (Lk, D)    the whole head (blocks: D / 32)
-                const HeadMatrix<const SV>& v,  // (Lk, Dv)
-                HeadMatrix<T> out,              // (rows, Dv) written
-                const AttentionProblem<T>& problem, Index b, Index h, T scale, Index i0,
-                Index key_tile, Workspace<T>& workspace,
+void flash_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
+                const HeadsView<const SK>& k,  // (B, Hkv, Lk, D)  (blocks: D / 32 units)
+                const HeadsView<const SV>& v,  // (B, Hkv, Lk, Dv)
+                HeadMatrix<T> out,             // (rows, Dv) written
+                const AttentionProblem<T>& problem, Index b, Index h, Index kv_head, T scale,
+                Index i0, Index key_tile, Workspace<T>& workspace,
                 T* logsumexp) {  // (rows) or null
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
   const Index rows = q.rows(), i1 = i0 + rows, width = padded(rows);
-  const Index dim = q.cols(), value_dim = v.cols() * values_per_unit_v<SV>;
+  const Index dim = q.cols(), value_dim = v.dim * values_per_unit_v<SV>;
   // Row stride of qt, st and ot: this tile's width, not the workspace's, so that a tile
   // gives the same bits whatever the longest sequence of the call (Eigen's products round
   // differently at different strides).
@@ -180,7 +196,7 @@ void flash_tile(const HeadMatrix<const T>& q,   // (rows, D)  queries i0 ..
       if (visibility == TileVisibility::hidden)
         continue;
       const bool masked = visibility == TileVisibility::partial || problem.modifies_scores();
-      const HeadMatrix<const T> k_tile = tile_rows<T, SK>(k, j0, cols, workspace.k);
+      const HeadMatrix<const T> k_tile = tile_rows<T, SK>(k, b, kv_head, j0, cols, workspace.k);
       scores(k_tile.data(), k_tile.outerStride(), cols, qt, stride, dim, width, st, stride,
              masked ? nullptr : tile_max);
       // Element by element for a keep-mask, changed scores, or sink tokens in the tile (a
@@ -213,7 +229,7 @@ void flash_tile(const HeadMatrix<const T>& q,   // (rows, D)  queries i0 ..
         for (Index j = 0; j < cols; ++j)
           dropout.apply_for_key(workspace.dropout_rows.data(), rows, j0 + j, st + j * stride);
       }
-      const HeadMatrix<const T> v_tile = tile_rows<T, SV>(v, j0, cols, workspace.v);
+      const HeadMatrix<const T> v_tile = tile_rows<T, SV>(v, b, kv_head, j0, cols, workspace.v);
       accumulate(st, stride, cols, width, v_tile.data(), v_tile.outerStride(), value_dim,
                  first_tile ? nullptr : alpha, ot, stride);
       first_tile = false;
@@ -273,8 +289,12 @@ void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
   const Index s_stride = workspace.s.cols();
   T* alpha = workspace.alpha.data();
   bool first_block = true;
-  for (Index c0 = lo; c0 < hi; c0 += key_block) {  // pass 2
-    const Index c1 = std::min(c0 + key_block, hi), cols = c1 - c0;
+  for (Index c0 = lo, c1 = lo; c0 < hi; c0 = c1) {  // pass 2
+    // Blocks end at multiples of key_block and at page ends (a paged cache): a cache in
+    // pages of a multiple of key_block rows is then cut where a contiguous one is.
+    c1 = std::min({hi, (c0 / key_block + 1) * key_block, c0 + contiguous_rows(k, c0),
+                   c0 + contiguous_rows(v, c0)});
+    const Index cols = c1 - c0;
     const TileVisibility visibility =
         problem.mask().classify_heads(b, first_head, first_head + group, 0, q_length, c0, c1);
     if (visibility == TileVisibility::hidden)
@@ -282,10 +302,12 @@ void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
     const SK* k_rows = row_data(k, b, kv_head, c0);
     const SV* v_rows = row_data(v, b, kv_head, c0);
     if constexpr (widens_in_registers || std::is_same_v<SK, T>) {
-      dot_scores(q_tile, dim, rows, k_rows, k.row_stride, cols, dim, s, s_stride);
+      dot_scores(q_tile, dim, rows, k_rows, k.row_stride, cols, dim, s, s_stride,
+                 rows_after(k, b, kv_head, c0, cols));
     } else {
       widen_rows(k_rows, k.row_stride, cols, dim, workspace.k.data());
-      dot_scores(q_tile, dim, rows, workspace.k.data(), dim, cols, dim, s, s_stride);
+      dot_scores(q_tile, dim, rows, workspace.k.data(), dim, cols, dim, s, s_stride,
+                 workspace.k.data());
     }
     if (visibility == TileVisibility::partial || problem.modifies_scores()) {
       for (Index g = 0; g < group; ++g) {
@@ -300,11 +322,12 @@ void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
     add_sums(alpha, workspace.sums.data(), rows, l);
     if constexpr (widens_in_registers || std::is_same_v<SV, T>) {
       weighted_sum(s, s_stride, rows, v_rows, v.row_stride, cols, value_dim,
-                   first_block ? nullptr : alpha, acc, value_dim);
+                   first_block ? nullptr : alpha, acc, value_dim,
+                   rows_after(v, b, kv_head, c0, cols));
     } else {
       widen_rows(v_rows, v.row_stride, cols, value_dim, workspace.v.data());
       weighted_sum(s, s_stride, rows, workspace.v.data(), value_dim, cols, value_dim,
-                   first_block ? nullptr : alpha, acc, value_dim);
+                   first_block ? nullptr : alpha, acc, value_dim, workspace.v.data());
     }
     first_block = false;
   }

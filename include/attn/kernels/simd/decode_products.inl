@@ -9,11 +9,12 @@
 
 // --- Decode: queries along the rows, K and V widened in registers -----------------------
 
-/// Rows this far ahead of the one being read are requested from memory: blocks of K and V
-/// alternate, a 256-byte row crosses a page every 16 rows, and the hardware prefetcher alone
-/// lets the loads wait. The distance was chosen by measurement (docs/performance.md,
-/// "Tuning choices").
-inline constexpr Index prefetch_keys = 32;
+// Software prefetches: while row j of a key block is read, row j of the next block (`ahead`)
+// is requested from memory: blocks of K and V alternate, a 256-byte row crosses a page every
+// 16 rows, and the hardware prefetcher alone lets the loads wait. The next block is where the
+// keys continue, in memory or on another page of a paged cache, so a page's end never sends
+// the prefetches into another sequence's rows. The distance, one block (decode_key_block,
+// 64 rows), was chosen by measurement (docs/performance.md, "Tuning choices").
 
 template <class S>
 inline void prefetch_element(const S* row, Index offset) {
@@ -31,18 +32,23 @@ inline void prefetch_element(const S* row, Index offset) {
 /// scalar S a piece is one vector (step 1); for a quantized S it is one block of 32 values
 /// (step 32 / lanes: a vector never straddles two blocks), whose fp16 scale is converted once
 /// and multiplies each vector of quants as it is widened. `stride` is in S (blocks).
+/// prefetch(j, d) requests the unit of row j of `ahead` (the next block) that piece(j, d)
+/// reads of row j.
 template <class S>
 struct RowReader {
   static constexpr int step = 1;
   using Piece = const S*;
   const S* rows;
   Index stride;
+  const S* ahead;
   Index column = 0;
 
   Piece piece(Index j, Index d) const { return rows + j * stride + column + d; }
   static vec load(Piece p, int /*i*/) { return load_widened(p); }
-  void prefetch(Index j, Index d) const { prefetch_element(rows, j * stride + column + d); }
-  RowReader at(Index j, Index e) const { return {rows + j * stride, stride, column + e}; }
+  void prefetch(Index j, Index d) const { prefetch_element(ahead, j * stride + column + d); }
+  RowReader at(Index j, Index e) const {
+    return {rows + j * stride, stride, ahead + j * stride, column + e};
+  }
 };
 
 /// A quantized block, its scale d as float and -8 d (q4_0's offset, folded into an FMA).
@@ -59,6 +65,7 @@ struct BlockRowReader {
   using Piece = ScaledBlock<Block>;
   const Block* rows;
   Index stride;  // blocks
+  const Block* ahead;
   Index column = 0;
 
   Piece piece(Index j, Index d) const {
@@ -78,9 +85,11 @@ struct BlockRowReader {
                  set1(p.scale), set1(p.offset));
   }
   void prefetch(Index j, Index d) const {
-    prefetch_element(rows, j * stride + (column + d) / quantized_block_values);
+    prefetch_element(ahead, j * stride + (column + d) / quantized_block_values);
   }
-  RowReader<Block> at(Index j, Index e) const { return {{rows + j * stride, stride, column + e}}; }
+  RowReader<Block> at(Index j, Index e) const {
+    return {{rows + j * stride, stride, ahead + j * stride, column + e}};
+  }
 };
 
 template <>
@@ -92,7 +101,7 @@ struct RowReader<BlockQ4_0> : BlockRowReader<BlockQ4_0> {};
 /// vectors: bit for bit dequantize_blocks (d q and d n - 8 d are exact products in float).
 template <class Block>
 inline void widen_blocks(const Block* src, float* dst, Index n) {
-  const RowReader<Block> reader{{src, 0}};
+  const RowReader<Block> reader{{src, 0, src}};
   for (Index d = 0; d < n; d += quantized_block_values) {
     const ScaledBlock<Block> piece = reader.piece(0, d);
 #pragma GCC unroll 4
@@ -107,13 +116,13 @@ inline void widen(const BlockQ4_0* src, float* dst, Index n) {
   widen_blocks(src, dst, n);
 }
 
-/// The reader of `rows`, `stride` S apart.
+/// The reader of `rows`, `stride` S apart, prefetching the rows at `ahead`.
 template <class S>
-RowReader<S> reader_of(const S* rows, Index stride) {
+RowReader<S> reader_of(const S* rows, Index stride, const S* ahead) {
   if constexpr (is_quantized_v<S>)
-    return {{rows, stride}};
+    return {{rows, stride, ahead}};
   else
-    return {rows, stride};
+    return {rows, stride, ahead};
 }
 
 /// s[r, j] = q[r, 0:dim) . k[j, 0:dim) for r < Rb, j < Kb, dim a multiple of lanes: Rb x Kb
@@ -138,7 +147,7 @@ inline void dot_block(const float* q, Index q_stride,  // (Rb, dim)
 #pragma GCC unroll 4
     for (int j = 0; j < Kb; ++j) {
       pieces[j] = k.piece(j, d);
-      k.prefetch(j + prefetch_keys, d);
+      k.prefetch(j, d);
     }
 #pragma GCC unroll 4
     for (int i = 0; i < step; ++i) {
@@ -227,9 +236,10 @@ inline void dot_rest(Index rows, const float* q, Index q_stride, const RowReader
 template <class S>
 inline void dot_scores(const float* q, Index q_stride, Index rows,  // (rows, D)
                        const S* k, Index k_stride, Index keys,      // (keys, D)
-                       Index dim, float* s, Index s_stride) {       // (rows, keys)
+                       Index dim, float* s, Index s_stride,         // (rows, keys)
+                       const S* k_ahead) {  // the next block's rows, to prefetch
   const Index vector_dim = dim / lanes * lanes;
-  const RowReader<S> k_rows = reader_of(k, k_stride);
+  const RowReader<S> k_rows = reader_of(k, k_stride, k_ahead);
   Index r = 0;
   for (; r + decode_rows <= rows; r += decode_rows) {
     dot_rows<static_cast<int>(decode_rows)>(q + r * q_stride, q_stride, k_rows, keys, vector_dim,
@@ -315,7 +325,7 @@ inline void weighted_sum_block(const float* p, Index p_stride,  // (Rb, keys)
 #pragma GCC unroll 4
     for (int c = 0; c < C; c += step) {
       const typename RowReader<S>::Piece piece = v.piece(j, lanes * c);
-      v.prefetch(j + prefetch_keys, lanes * c);
+      v.prefetch(j, lanes * c);
 #pragma GCC unroll 4
       for (int i = 0; i < step; ++i)
         value[c + i] = RowReader<S>::load(piece, i);
@@ -395,10 +405,11 @@ template <class S>
 inline void weighted_sum(const float* p, Index p_stride, Index rows,  // (rows, keys)
                          const S* v, Index v_stride, Index keys,      // (keys, Dv)
                          Index value_dim, const float* alpha,         // (rows) or null
-                         float* acc, Index acc_stride) {              // (rows, Dv)
+                         float* acc, Index acc_stride,                // (rows, Dv)
+                         const S* v_ahead) {  // the next block's rows, to prefetch
   const bool first = alpha == nullptr;
   const Index vector_dim = value_dim / lanes * lanes;
-  const RowReader<S> v_rows = reader_of(v, v_stride);
+  const RowReader<S> v_rows = reader_of(v, v_stride, v_ahead);
   Index r = 0;
   for (; r + decode_rows <= rows; r += decode_rows) {
     weighted_sum_rows<static_cast<int>(decode_rows)>(p + r * p_stride, p_stride, v_rows, keys,
