@@ -1,6 +1,7 @@
 // Benchmarks of attention: naive, chunked, flash (and flash_isa, flash with each instruction
 // set's products forced; flash_tiles, flash with the tiles given; flash_kv_half and
-// flash_kv_bfloat16, flash against 16-bit keys and values) and linear attention, beside Eigen's
+// flash_kv_bfloat16, flash against 16-bit keys and values; flash_bf16 and flash_bf16_fp32,
+// bfloat16 q, k, v on bf16 dot products or widened to fp32) and linear attention, beside Eigen's
 // plain GEMM at the same (Lq x D) x (D x Lk) shape and the FMA peak probe (common.hpp), all in one
 // binary so that every figure can be read as a fraction of this machine's measured peak.
 //
@@ -71,7 +72,7 @@ struct Inputs {
 };
 
 double attention_flops(Index l, Index d, bool causal) {
-  const double ld = static_cast<double>(l), dd = static_cast<double>(d);
+  const auto ld = static_cast<double>(l), dd = static_cast<double>(d);
   const double scores = causal ? ld * (ld + 1) / 2 : ld * ld;  // visible (query, key) pairs
   return 4.0 * static_cast<double>(kHeads) * scores * dd;
 }
@@ -175,6 +176,56 @@ void BM_flash_kv16(benchmark::State& state) {
   time_runs(state, run, inputs, attention_flops(length, dim, causal));
 }
 
+// Flash on bfloat16 q, k and v, float out: ComputePrecision::bf16 runs bf16 dot products where
+// the CPU has them (flash_bf16), ComputePrecision::fp32 the widening path (flash_bf16_fp32),
+// beside flash on float inputs ("flash") and the bf16 dot-product probe. Checked before timing
+// against the fp32 path on the same values: within 2^-6 of the largest output (the
+// probabilities are rounded to bfloat16, 2^-8 relative; docs/precision.md).
+void BM_flash_bf16(benchmark::State& state, attn::ComputePrecision compute) {
+  const Index length = state.range(0), dim = state.range(1);
+  const bool causal = state.range(2) != 0;
+  set_threads(static_cast<int>(state.range(3)));
+  Inputs inputs(length, dim);
+  std::vector<Eigen::bfloat16> q(inputs.q.size()), k(q.size()), v(q.size());
+  for (std::size_t i = 0; i < q.size(); ++i) {
+    q[i] = Eigen::bfloat16(inputs.q[i]);
+    k[i] = Eigen::bfloat16(inputs.k[i]);
+    v[i] = Eigen::bfloat16(inputs.v[i]);
+  }
+  const auto view = [&](const std::vector<Eigen::bfloat16>& t) {
+    return attn::bhld_view(t.data(), Index(1), kHeads, length, dim);
+  };
+  const auto out = attn::bhld_view(inputs.out.data(), Index(1), kHeads, length, dim);
+  attn::AttentionOptions<float> options;
+  options.algorithm = attn::Algorithm::flash;
+  options.causal = causal ? attn::Causal::top_left : attn::Causal::none;
+  options.compute = compute;
+  const auto run_with = [&](const attn::AttentionOptions<float>& o) {
+    attn::scaled_dot_product_attention_into<Eigen::bfloat16, Eigen::bfloat16, float>(
+        view(q), view(k), view(v), out, o);
+  };
+  attn::AttentionOptions<float> fp32 = options;
+  fp32.compute = attn::ComputePrecision::fp32;
+  run_with(fp32);
+  const std::vector<float> reference = inputs.out;
+  run_with(options);
+  float largest = 0;
+  for (const float x : reference)
+    largest = std::max(largest, std::abs(x));
+  const float worst =
+      attn_bench::max_abs_diff(reference.data(), inputs.out.data(), reference.size());
+  if (!(worst <= largest / 64)) {
+    state.SkipWithError(("differs from the fp32 path by " + std::to_string(worst)).c_str());
+    return;
+  }
+  const auto shape = attn::AttentionShape{1,   kHeads, kHeads, length, length, dim,
+                                          dim, 2,      false,  false,  causal, true};
+  state.SetLabel(attn::plan_attention<float>(shape, options).bf16_products ? "bf16 products"
+                                                                           : "fp32");
+  time_runs(
+      state, [&] { run_with(options); }, inputs, attention_flops(length, dim, causal));
+}
+
 // Flash with the products of one instruction set forced (attn/cpu.hpp), so that every
 // kernel this CPU can run is measured in the same binary and the same run: "flash" is the
 // automatic choice, "flash_isa/isa:<n>" the kernel of attn::all_isas[n].
@@ -228,7 +279,7 @@ void BM_linear(benchmark::State& state) {
       return;
     }
   }
-  const double l = static_cast<double>(length), d = static_cast<double>(dim);
+  const auto l = static_cast<double>(length), d = static_cast<double>(dim);
   double per_head = 4 * l * d * d + 4 * l * d;
   if (causal)
     per_head += l * static_cast<double>(attn::default_linear_chunk) * (4 * d + 1);
@@ -301,6 +352,13 @@ void register_all() {
            thread_counts})
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
+  attn_bench::register_bf16_dot_peak();  // the ceiling of flash_bf16
+  add(
+      "flash_bf16", [](benchmark::State& s) { BM_flash_bf16(s, attn::ComputePrecision::bf16); },
+      true);
+  add(
+      "flash_bf16_fp32",
+      [](benchmark::State& s) { BM_flash_bf16(s, attn::ComputePrecision::fp32); }, true);
   add("flash_kv_half", BM_flash_kv16<Eigen::half>, true);
   add("flash_kv_bfloat16", BM_flash_kv16<Eigen::bfloat16>, true);
   add("linear", BM_linear, true);

@@ -13,6 +13,8 @@
 //                      register (after parsing, so smoke() sizes apply), run
 //   register_fma_peak_isas  the same probe per instruction set, "fma_peak_isa/{avx2,avx512}/
 //                      threads:{1,2}", for the dispatched kernels (the CPU's sets only).
+//   register_bf16_dot_peak  the bf16 dot-product probe, "bf16_dot_peak/threads:{1,2}"
+//                      (vdpbf16ps), where the CPU has it: the ceiling of bf16 products.
 #pragma once
 
 #include <benchmark/benchmark.h>
@@ -167,6 +169,28 @@ inline double fma_kernel(std::int64_t iterations, std::index_sequence<I...>) {
 }
 }  // namespace avx512_probe
 ATTN_END_TARGET
+
+ATTN_BEGIN_TARGET_AVX512_BF16
+namespace bf16_probe {
+/// 12 chains of vdpbf16ps: each adds 16 lanes x 2 products of bfloat16 pairs.
+template <std::size_t... I>
+inline double dot_kernel(std::int64_t iterations, std::index_sequence<I...>) {
+  __m512 acc[sizeof...(I)] = {_mm512_set1_ps(static_cast<float>(I) * 1e-3f)...};
+  const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
+  const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-4f), _mm512_set1_ps(1e-4f));
+  for (std::int64_t n = 0; n < iterations; ++n)
+    ((acc[I] = _mm512_dpbf16_ps(acc[I], a, b)), ...);
+  float lanes[16];
+  __m512 sum = _mm512_setzero_ps();
+  ((sum = _mm512_add_ps(sum, acc[I])), ...);
+  _mm512_storeu_ps(lanes, sum);
+  double total = 0;
+  for (const float x : lanes)
+    total += static_cast<double>(x);
+  return total;
+}
+}  // namespace bf16_probe
+ATTN_END_TARGET
 #endif
 
 /// Scalar multiply-adds (the only probe where target regions do not apply): 2 FLOPs each.
@@ -186,10 +210,12 @@ inline double scalar_fma_kernel(std::int64_t iterations) {
 
 /// Floats per vector of `isa` (1 for the scalar probe of Isa::generic).
 inline double fma_lanes(attn::Isa isa) {
+  isa = attn::float_kernels_isa(isa);
   return isa == attn::Isa::avx512 ? 16 : isa == attn::Isa::avx2 ? 8 : 1;
 }
 
 inline double fma_kernel(attn::Isa isa, std::int64_t iterations) {
+  isa = attn::float_kernels_isa(isa);  // (avx512_bf16's float arithmetic is avx512's)
 #if ATTN_X86_DISPATCH
   if (isa == attn::Isa::avx512)
     return avx512_probe::fma_kernel(iterations, std::make_index_sequence<12>());
@@ -216,6 +242,38 @@ inline void BM_fma_peak_isa(benchmark::State& state, attn::Isa isa) {
       benchmark::Counter(2.0 * 12 * fma_lanes(isa) * static_cast<double>(iterations) * threads,
                          benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(attn::isa_name(isa));
+}
+
+/// The bf16 dot-product probe: 12 chains of vdpbf16ps per thread (64 FLOPs each: 16 lanes,
+/// two multiply-adds of bfloat16 pairs), the ceiling of the flash kernel on bf16 products.
+inline void BM_bf16_dot_peak(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  const std::int64_t iterations = smoke() ? (1 << 12) : (1 << 22);
+  for (auto _ : state) {
+    double result = 0;
+#if ATTN_X86_DISPATCH
+#if ATTN_HAS_OPENMP
+#pragma omp parallel num_threads(threads) reduction(+ : result)
+#endif
+    result += bf16_probe::dot_kernel(iterations, std::make_index_sequence<12>());
+#endif
+    benchmark::DoNotOptimize(result);
+  }
+  state.counters["FLOPS"] =
+      benchmark::Counter(2.0 * 2 * 12 * 16 * static_cast<double>(iterations) * threads,
+                         benchmark::Counter::kIsIterationInvariantRate);
+}
+
+/// Registers "bf16_dot_peak/threads:{1,2}" where the CPU has bf16 dot products.
+inline void register_bf16_dot_peak() {
+  if (!attn::isa_supported(attn::Isa::avx512_bf16))
+    return;
+  benchmark::RegisterBenchmark("bf16_dot_peak", BM_bf16_dot_peak)
+      ->ArgNames({"threads"})
+      ->Arg(1)
+      ->Arg(2)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
 }
 
 /// Registers "fma_peak/threads:{1,2}": the probe of the widest instruction set this CPU has

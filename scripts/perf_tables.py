@@ -37,7 +37,7 @@ from collections import defaultdict
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 PAGES = ["README.md", "docs/performance.md", "docs/quantized-cache.md", "docs/tiny_lm.md",
-         "docs/serving.md"]
+         "docs/serving.md", "docs/precision.md"]
 BEGIN = re.compile(r"^<!-- perf-table: ([\w-]+) -->$")
 END = "<!-- /perf-table -->"
 ISAS = ["generic", "avx2", "avx512"]
@@ -489,6 +489,29 @@ def table_serving_paged():
     return lines
 
 
+def table_bf16_compute():
+    _, b = bench("bf16_compute.json")
+    fma, dot = rate(b["fma_peak/threads:1"]), rate(b["bf16_dot_peak/threads:1"])
+    lines = source("bf16_compute.json", probes=f"the FMA probe `fma_peak` {fma / 1e9:.0f} "
+                   f"GFLOP/s and the bf16 dot-product probe `bf16_dot_peak` {dot / 1e9:.0f} "
+                   "GFLOP/s (vdpbf16ps) of the same run, one thread")
+    lines += ["| B * H = 8, not causal | float q, k, v (fp32) | bfloat16 q, k, v, fp32 products | "
+              "bfloat16 q, k, v, bf16 products | their share of the bf16 probe | over fp32 |",
+              "|---|---|---|---|---|---|"]
+    for dim in (64, 128):
+        for length in (1024, 4096, 8192):
+            key = f"L:{length}/D:{dim}/causal:0/threads:1"
+            if f"flash_bf16/{key}" not in b:
+                continue
+            fp32, widened, bf16 = (b[f"{f}/{key}"] for f in ("flash", "flash_bf16_fp32",
+                                                              "flash_bf16"))
+            lines.append(f"| D = {dim}, L = {length} | {gflops(rate(fp32))} GFLOP/s "
+                         f"({share(rate(fp32), fma)} of FMA) | {gflops(rate(widened))} | "
+                         f"{gflops(rate(bf16))} | {share(rate(bf16), dot)} | "
+                         f"{rate(bf16) / rate(fp32):.2f}x |")
+    return lines
+
+
 def table_readme():
     probes, rows = flash_isa_data()
     bandwidth, cells = decode_data()
@@ -545,6 +568,7 @@ TABLES = {
     "peers": table_peers,
     "serving": table_serving,
     "serving-paged": table_serving_paged,
+    "bf16-compute": table_bf16_compute,
 }
 
 

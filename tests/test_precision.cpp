@@ -104,6 +104,7 @@ void check_16bit_storage(const char* type_name) {
     attn::AttentionOptions<float>& options = o.options;
     const double plain_error = max_error(plain_16bit_attention(p, q, k, v), reference);
     // The same problem in float: the part of the error that is not 16-bit rounding.
+    // (ComputePrecision::fp32, the default: bf16 products are tests/test_bf16_compute.cpp's)
     for (const attn::Algorithm algorithm : all_algorithms) {
       INFO(type_name << ", mask kind " << mask_kind << ", " << algorithm_name(algorithm)
                      << ", plain 16-bit error " << plain_error);
@@ -174,7 +175,7 @@ TEST_CASE("half storage: every algorithm within twice the plain 16-bit error", "
 }
 
 TEST_CASE("bfloat16 storage: every algorithm within twice the plain 16-bit error",
-          "[precision][isa]") {
+          "[precision][isa][bf16]") {
   check_16bit_storage<Eigen::bfloat16>("bfloat16");
 }
 

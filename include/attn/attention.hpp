@@ -167,9 +167,10 @@ void attention_into(const char* function,
   if (packed)
     check_packed_options(function, options);
   const T scale = resolve_scale(function, options.scale, q.dim);
-  const KernelPlan plan = plan_attention<T>(
-      {q.batch, q.heads, k.heads, q.length, k.length, q.dim, v.dim, Index(sizeof(TKV))}, options,
-      outputs.weights.has_value(), function);
+  AttentionShape shape{q.batch,  q.heads, k.heads, q.length,
+                       k.length, q.dim,   v.dim,   Index(sizeof(TKV))};
+  shape.bf16_readable_kv = bf16_readable_v<TKV>;
+  const KernelPlan plan = plan_attention<T>(shape, options, outputs.weights.has_value(), function);
   const HeadsView<T>* weights = outputs.weights ? &*outputs.weights : nullptr;
   const RowValues<T> logsumexp =
       outputs.logsumexp ? row_values(*outputs.logsumexp) : RowValues<T>{};

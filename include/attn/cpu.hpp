@@ -4,15 +4,18 @@
 // Every build of attn on x86-64 with GCC or Clang contains three versions of the float
 // kernels, whatever -march the user compiles with: `generic` (Eigen's products and
 // Eigen's vectorised exp, compiled for the translation unit's own flags), `avx2` (AVX2 +
-// FMA + F16C) and `avx512` (AVX-512F). The last two are compiled with function target
-// attributes (kernels/simd/target.hpp), so a plain `-O2` build runs AVX-512 code on a CPU
-// that has it. The CPU is asked once (cpuid and the OS's saved-register mask, xgetbv) and
-// the choice is cached.
+// FMA + F16C) and `avx512` (AVX-512F); and a fourth level, `avx512_bf16`, which runs the
+// avx512 kernels and adds products on bf16 dot products (AVX512-BF16, with BW, VL and VNNI)
+// for the calls that ask for bf16 compute (attn/options.hpp, ComputePrecision). The vector
+// levels are compiled with function target attributes (kernels/simd/target.hpp), so a plain
+// `-O2` build runs AVX-512 code on a CPU that has it. The CPU is asked once (cpuid and the
+// OS's saved-register mask, xgetbv) and the choice is cached.
 //
 // Which instruction set runs:
 //   1. set_isa(isa), if called (a ScopedIsa restores the previous choice);
-//   2. else the environment variable ATTN_ISA=generic|avx2|avx512, read once;
-//   3. else best_isa(): AVX-512 where it is faster, else AVX2, else generic.
+//   2. else the environment variable ATTN_ISA=generic|avx2|avx512|avx512_bf16, read once;
+//   3. else best_isa(): the highest level the CPU has (AVX-512 where it is faster; with
+//      BF16 dot products where the CPU has them), else AVX2, else generic.
 // Asking for an instruction set the CPU lacks (or that this build does not contain) throws
 // std::invalid_argument. double always runs the generic kernels.
 //
@@ -45,14 +48,15 @@
 
 namespace attn {
 
-/// An instruction-set level of the kernels.
+/// An instruction-set level of the kernels, each a superset of the one before.
 enum class Isa : std::uint8_t {
   generic,  ///< Eigen's products, for the translation unit's own -march (any CPU, float and double)
   avx2,     ///< AVX2 + FMA + F16C, 8 floats per vector
   avx512,   ///< AVX-512F, 16 floats per vector
+  avx512_bf16,  ///< avx512, plus bf16 dot products (AVX512-BF16, with BW, VL and VNNI)
 };
 
-inline constexpr Isa all_isas[] = {Isa::generic, Isa::avx2, Isa::avx512};
+inline constexpr Isa all_isas[] = {Isa::generic, Isa::avx2, Isa::avx512, Isa::avx512_bf16};
 
 inline const char* isa_name(Isa isa) {
   switch (isa) {
@@ -62,16 +66,26 @@ inline const char* isa_name(Isa isa) {
       return "avx2";
     case Isa::avx512:
       return "avx512";
+    case Isa::avx512_bf16:
+      return "avx512_bf16";
   }
   return "unknown";
 }
 
+/// The level whose float kernels `isa` runs: avx512_bf16 runs avx512's, adding only the
+/// bf16 products of calls that ask for bf16 compute (so that a float call gives the same
+/// bits on both).
+constexpr Isa float_kernels_isa(Isa isa) {
+  return isa == Isa::avx512_bf16 ? Isa::avx512 : isa;
+}
+
 /// What the CPU reports about itself (all false off x86-64 or without GCC/Clang).
 struct CpuFeatures {
-  bool avx2 = false;    ///< AVX2, FMA and F16C, with the OS saving ymm registers
-  bool avx512 = false;  ///< AVX-512F as well, with the OS saving zmm and mask registers
-  bool amd = false;     ///< vendor "AuthenticAMD"
-  unsigned family = 0;  ///< display family (0x19: Zen 3 and Zen 4; 0x1a: Zen 5)
+  bool avx2 = false;         ///< AVX2, FMA and F16C, with the OS saving ymm registers
+  bool avx512 = false;       ///< AVX-512F as well, with the OS saving zmm and mask registers
+  bool avx512_bf16 = false;  ///< AVX512-BF16, -BW, -VL and -VNNI as well
+  bool amd = false;          ///< vendor "AuthenticAMD"
+  unsigned family = 0;       ///< display family (0x19: Zen 3 and Zen 4; 0x1a: Zen 5)
 };
 
 namespace detail {
@@ -103,9 +117,13 @@ inline CpuFeatures query_cpu() {
   const bool ymm_saved = (xcr0 & 0x6u) == 0x6u;    // SSE and AVX state
   const bool zmm_saved = (xcr0 & 0xe6u) == 0xe6u;  // and opmask, ZMM_Hi256, Hi16_ZMM
   __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx);
-  const bool avx2 = bit(ebx, 5), avx512f = bit(ebx, 16);
+  const bool avx2 = bit(ebx, 5), avx512f = bit(ebx, 16), avx512bw = bit(ebx, 30),
+             avx512vl = bit(ebx, 31), avx512vnni = bit(ecx, 11);
   cpu.avx2 = ymm_saved && avx2 && fma && f16c;
   cpu.avx512 = cpu.avx2 && zmm_saved && avx512f;
+  __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx);
+  const bool avx512bf16 = bit(eax, 5);
+  cpu.avx512_bf16 = cpu.avx512 && avx512bw && avx512vl && avx512vnni && avx512bf16;
 #endif
   return cpu;
 }
@@ -140,7 +158,8 @@ inline std::optional<Isa> environment_isa() {
     }
     throw_invalid_argument("ATTN_ISA",
                            "the environment variable is '" + name +
-                               "': must be generic, avx2 or avx512 (or unset for automatic)");
+                               "': must be generic, avx2, avx512 or avx512_bf16 (or unset for "
+                               "automatic)");
   }();
   return isa;
 }
@@ -162,13 +181,18 @@ inline bool isa_supported(Isa isa) {
       return cpu_features().avx2;
     case Isa::avx512:
       return cpu_features().avx512;
+    case Isa::avx512_bf16:
+      return cpu_features().avx512_bf16;
   }
   return false;
 }
 
 /// The fastest instruction set this CPU supports, by measurement (docs/performance.md):
-/// AVX-512 where it exists, AVX2 otherwise, generic without either.
+/// AVX-512 where it exists (with bf16 dot products where the CPU has them), AVX2 otherwise,
+/// generic without either.
 inline Isa best_isa() {
+  if (isa_supported(Isa::avx512_bf16))
+    return Isa::avx512_bf16;
   if (isa_supported(Isa::avx512))
     return Isa::avx512;
   if (isa_supported(Isa::avx2))

@@ -50,6 +50,11 @@
   X(NS::rope_rows<float, Eigen::half>)                         \
   X(NS::rope_rows<float, Eigen::bfloat16>)                     \
   X(attn::detail::gemm_of<NS::Gemm, float>)
+// Of the avx512_bf16 level (kernels/bf16_tiles.hpp): the flash tile on bf16 products, for
+// the storage it reads.
+#define ATTN_BF16_KERNEL_INSTANCES(X)                                \
+  X(attn::detail::avx512_bf16::flash_tile_bf16<float, float, float>) \
+  X(attn::detail::avx512_bf16::flash_tile_bf16<float, Eigen::bfloat16, Eigen::bfloat16>)
 // Of the generic namespace: the same, and double.
 #define ATTN_GENERIC_KERNEL_INSTANCES(X)                         \
   ATTN_VECTOR_KERNEL_INSTANCES(X, attn::detail::generic)         \

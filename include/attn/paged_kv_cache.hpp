@@ -39,6 +39,7 @@
 #include "attn/mask.hpp"
 #include "attn/outputs.hpp"
 #include "attn/plan.hpp"
+#include "attn/precision.hpp"
 #include "attn/problem.hpp"
 #include "attn/rope.hpp"
 #include "attn/tensor.hpp"
@@ -369,6 +370,7 @@ class PagedKVCache {
     shape.kv_element_bytes = is_quantized_v<S> || is_quantized_v<SV> ? 1 : Index(sizeof(S));
     shape.kv_quantized = is_quantized_v<S> || is_quantized_v<SV>;
     shape.kv_paged = true;
+    shape.bf16_readable_kv = detail::bf16_readable_v<S> && detail::bf16_readable_v<SV>;
     const KernelPlan plan = plan_attention<C>(shape, o, false, function);
     const AttentionProblem<C> problem(function, q.batch, q.heads, q.length, max_length, o,
                                       plan.isa);

@@ -40,6 +40,9 @@ struct AttentionShape {
   /// Whether a causal mask hides the keys above each query's diagonal: flash then takes
   /// shorter query tiles (default_query_tile).
   bool causal = false;
+  /// Whether k and v are stored as float or bfloat16, the storage bf16 products read (half
+  /// and quantized blocks are not rounded to bfloat16 again).
+  bool bf16_readable_kv = false;
 };
 
 /// How one attention call runs.
@@ -57,10 +60,12 @@ struct KernelPlan {
   Index work_items = 0;          ///< independent items handed to the threads
   bool parallel = false;         ///< whether the call opens a parallel region (big enough to pay)
   int threads = 1;               ///< threads the call may use
+  /// flash: q k^T and P V on bf16 dot products with float sums (ComputePrecision::bf16)
+  bool bf16_products = false;
 
   std::string describe() const {
-    std::string s =
-        std::string(algorithm_name(algorithm)) + " on " + isa_name(isa) + " (" + scalar + "): ";
+    std::string s = std::string(algorithm_name(algorithm)) + " on " + isa_name(isa) + " (" +
+                    scalar + (bf16_products ? ", bf16 products" : "") + "): ";
     switch (algorithm) {
       case Algorithm::flash:
         s += "query tiles of " + std::to_string(query_tile) + ", key tiles of " +
@@ -120,7 +125,8 @@ inline constexpr double flash_cached_bytes = 8 * 1024 * 1024;
 
 /// The crossovers of `isa` with K and V stored in 16 bits (half, bfloat16) or not.
 inline AutomaticChoice automatic_choice(Isa isa, bool kv_16bit) {
-  switch (isa) {
+  switch (float_kernels_isa(isa)) {
+    case Isa::avx512_bf16:  // (float_kernels_isa gives avx512)
     case Isa::avx512:
       return kv_16bit ? AutomaticChoice{0, 8, 8} : AutomaticChoice{0, 8, 16};
     case Isa::avx2:
@@ -153,7 +159,8 @@ inline Index decode_max_queries(Isa isa, bool kv_16bit, double flash_bytes) {
 /// from 16 (1.1-1.3x). AVX2 takes the AVX-512 crossover and generic its 16-bit rule, neither
 /// measured with blocks.
 inline Index quantized_decode_max_queries(Isa isa) {
-  switch (isa) {
+  switch (float_kernels_isa(isa)) {
+    case Isa::avx512_bf16:  // (float_kernels_isa gives avx512)
     case Isa::avx512:
     case Isa::avx2:
       return 8;
@@ -246,7 +253,8 @@ inline double attention_flops(const AttentionShape& shape) {
 template <class T>
 KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Index query_tile,
                           Index key_tile, bool wants_weights, bool dropout = false,
-                          const char* function = "plan_attention") {
+                          const char* function = "plan_attention",
+                          ComputePrecision compute = ComputePrecision::fp32) {
   if (query_tile < 0 || key_tile < 0)
     detail::throw_negative_tiles(function, query_tile, key_tile);
   KernelPlan plan;
@@ -314,6 +322,10 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
       plan.work_items = heads;
       break;
   }
+  // bf16 products: flash only, on the level that has them, for the storage they read.
+  plan.bf16_products = compute == ComputePrecision::bf16 && std::is_same_v<T, float> &&
+                       plan.isa == Isa::avx512_bf16 && plan.algorithm == Algorithm::flash &&
+                       shape.bf16_readable_kv && !shape.kv_quantized;
   detail::plan_threads(plan, detail::attention_flops(shape));
   return plan;
 }
@@ -344,7 +356,7 @@ KernelPlan plan_attention(const AttentionShape& shape, const AttentionOptions<T>
   AttentionShape problem = shape;
   problem.causal = options.causal != Causal::none;
   return plan_attention<T>(problem, options.algorithm, query_tile, key_tile, wants_weights,
-                           options.dropout_p > T(0), function);
+                           options.dropout_p > T(0), function, options.compute);
 }
 
 /// Flash backward tiles (query rows, keys), measured with bench_backward (docs/training.md).

@@ -6,7 +6,8 @@
 // stream them; nothing ever accumulates in 16 bits. (Over 16384 keys an fp16 accumulator
 // stalls once the softmax denominator reaches 2048, where fp16's spacing is 2: in
 // tests/test_precision.cpp it is off by 2.3 on outputs near 2, float accumulation by 1e-3,
-// the rounding of the half output itself.)
+// the rounding of the half output itself.) ComputePrecision::bf16 (attn/options.hpp) lets
+// flash multiply bfloat16 operands where the CPU has bf16 dot products; the sums stay float.
 #pragma once
 
 #include <algorithm>
@@ -33,5 +34,13 @@ inline constexpr bool is_storage_scalar_v = std::is_floating_point_v<S> || is_16
 /// otherwise (float, double, or long double, which tests use as a wider reference).
 template <class S>
 using compute_scalar_t = std::conditional_t<is_16bit_scalar_v<S>, float, S>;
+
+namespace detail {
+/// The storage bf16 products read (ComputePrecision::bf16): float, rounded to bfloat16 as it
+/// is read, and bfloat16 itself; half and quantized blocks are not rounded a second time.
+template <class S>
+inline constexpr bool bf16_readable_v =
+    std::is_same_v<S, float> || std::is_same_v<S, Eigen::bfloat16>;
+}  // namespace detail
 
 }  // namespace attn

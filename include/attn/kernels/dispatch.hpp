@@ -1,7 +1,8 @@
 // attn/kernels/dispatch.hpp: the one place that turns an instruction set into its kernels.
 //
 // Every instruction-set namespace (generic, avx2, avx512) ends with one Table
-// (simd/table.inl) of its entry points:
+// (simd/table.inl) of its entry points, and avx512_bf16's Table is avx512's with the flash
+// kernel on bf16 dot products added (kernels/bf16_tiles.hpp):
 //
 //   forward<T, SK, SV>  flash_tile                           (kernels/online_softmax.inl)
 //   decode<T, SK, SV>  decode_split, merge_splits            (kernels/online_softmax.inl)
@@ -26,9 +27,11 @@
 #include "attn/config.hpp"
 #include "attn/cpu.hpp"
 #include "attn/kernels/backward_tiles.hpp"
+#include "attn/kernels/bf16_tiles.hpp"
 #include "attn/kernels/gemm.hpp"
 #include "attn/kernels/online_softmax.hpp"
 #include "attn/kernels/rope.hpp"
+#include "attn/precision.hpp"
 
 namespace attn::detail {
 
@@ -39,6 +42,8 @@ struct ForwardKernels {
   Isa isa;
   Index lanes;  ///< flash query tiles are padded to whole vectors of this many
   decltype(&generic::flash_tile<T, SK, SV>) flash_tile;
+  /// The same on bf16 dot products (KernelPlan::bf16_products): null but on avx512_bf16.
+  decltype(&generic::flash_tile<T, SK, SV>) flash_tile_bf16 = nullptr;
 
   Index padded(Index n) const { return (n + lanes - 1) / lanes * lanes; }
 };
@@ -80,6 +85,34 @@ using WidenKernel = void (*)(const S* src, float* dst, Index n);
 #define ATTN_ISA_SOURCE "attn/kernels/simd/table.inl"
 #include "attn/kernels/simd/foreach_isa.hpp"
 
+#if ATTN_X86_DISPATCH
+ATTN_BEGIN_TARGET_AVX512_BF16
+namespace attn::detail::avx512_bf16 {
+
+/// The flash tile on bf16 products where it applies (float compute, K and V stored as float
+/// or bfloat16), else null.
+template <class T, class SK, class SV>
+constexpr decltype(&avx512::flash_tile<T, SK, SV>) bf16_flash_tile() {
+  if constexpr (std::is_same_v<T, float> && bf16_readable_v<SK> && bf16_readable_v<SV>)
+    return &flash_tile_bf16<T, SK, SV>;
+  else
+    return nullptr;
+}
+
+/// avx512's table, and the flash tile on bf16 products.
+struct Table : avx512::Table {
+  static constexpr Isa level = isa;
+  static const char* name() { return isa_name(level); }
+
+  template <class T, class SK, class SV>
+  static constexpr ForwardKernels<T, SK, SV> forward{level, lanes, &avx512::flash_tile<T, SK, SV>,
+                                                     bf16_flash_tile<T, SK, SV>()};
+};
+
+}  // namespace attn::detail::avx512_bf16
+ATTN_END_TARGET
+#endif
+
 namespace attn::detail {
 
 /// pick(the Table of `isa`): the only switch on the instruction set.
@@ -88,6 +121,8 @@ decltype(auto) dispatch(Isa isa, const Pick& pick) {
   ATTN_DISPATCH_OBSERVER(isa);
 #if ATTN_X86_DISPATCH
   switch (isa) {
+    case Isa::avx512_bf16:
+      return pick(avx512_bf16::Table{});
     case Isa::avx512:
       return pick(avx512::Table{});
     case Isa::avx2:
@@ -191,5 +226,6 @@ ATTN_GENERIC_KERNEL_INSTANCES(ATTN_EXTERN_INSTANCE)
 #if ATTN_X86_DISPATCH
 ATTN_VECTOR_KERNEL_INSTANCES(ATTN_EXTERN_INSTANCE, attn::detail::avx2)
 ATTN_VECTOR_KERNEL_INSTANCES(ATTN_EXTERN_INSTANCE, attn::detail::avx512)
+ATTN_BF16_KERNEL_INSTANCES(ATTN_EXTERN_INSTANCE)
 #endif
 #endif

@@ -18,7 +18,9 @@
 // scores, accumulator, six row vectors; the key bounds and dropout keys of the tile's rows),
 // plus Bk * (D + Dv) scalars when k or v is stored in 16 bits, blocks or pages (on every path) and
 // Bq * (D + Dv) when q and out are; independent of Lq and Lk. Float, D = Dv = 64, default
-// tiles: 197 KiB (128 x 256), 98 KiB causal (64 x 256).
+// tiles: 197 KiB (128 x 256), 98 KiB causal (64 x 256). On bf16 products
+// (KernelPlan::bf16_products) add (W + Bk) (D + 1) + Bk (Dv + 1) 16-bit values, the
+// operands in pairs (kernels/bf16_tiles.hpp): 74 KiB more at D = Dv = 64, 128 x 256.
 #pragma once
 
 #include <algorithm>
@@ -59,12 +61,18 @@ void run_flash(const KernelPlan& plan,
     NarrowedRows<T, TO> out_rows;
   };
   const ForwardKernels<T, TK, TV>& kernels = forward_kernels<T, TK, TV>(plan.isa);
+  // bf16 products (the plan's choice, available only where the table has them)
+  const auto flash_tile = plan.bf16_products ? kernels.flash_tile_bf16 : kernels.flash_tile;
+  ATTN_ASSERT(flash_tile != nullptr);
   const auto make_scratch = [&] {
     Scratch scratch;
-    scratch.workspace.reserve_flash(kernels.padded(std::min(query_tile, q_length)), key_tile, q.dim,
-                                    v.dim * values_per_unit_v<TV>,
+    const Index width = kernels.padded(std::min(query_tile, q_length));
+    const Index value_dim = v.dim * values_per_unit_v<TV>;
+    scratch.workspace.reserve_flash(width, key_tile, q.dim, value_dim,
                                     !std::is_same_v<TK, T> || !std::is_same_v<TV, T> ||
                                         k.pages != nullptr || v.pages != nullptr);
+    if (plan.bf16_products)
+      scratch.workspace.reserve_bf16(width, key_tile, q.dim, value_dim);
     return scratch;
   };
   for_each_item(plan.work_items, plan.parallel, make_scratch, [&](Index item, Scratch& s) {
@@ -73,9 +81,8 @@ void run_flash(const KernelPlan& plan,
       return;
     const HeadMatrix<const T> q_rows = rows_as<T, TQ>(plan.isa, q.head(b, h), i0, rows, s.q_rows);
     T* lse = logsumexp.head(b, h);
-    kernels.flash_tile(q_rows, k, v, s.out_rows.rows(out.head(b, h), i0, rows), problem, b, h,
-                       h / group, scale, i0, key_tile, s.workspace,
-                       lse != nullptr ? lse + i0 : nullptr);
+    flash_tile(q_rows, k, v, s.out_rows.rows(out.head(b, h), i0, rows), problem, b, h, h / group,
+               scale, i0, key_tile, s.workspace, lse != nullptr ? lse + i0 : nullptr);
     s.out_rows.store(out.head(b, h), i0, rows);
   });
 }

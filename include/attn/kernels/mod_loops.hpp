@@ -42,10 +42,10 @@ namespace attn::detail {
 /// plan's instruction set.
 template <class Function>
 struct PerIsa {
-  Function function[3] = {nullptr, nullptr, nullptr};
+  Function function[3] = {nullptr, nullptr, nullptr};  // generic, avx2, avx512
   Function operator[](Isa isa) const {
     ATTN_DISPATCH_OBSERVER(isa);
-    return function[static_cast<int>(isa)];
+    return function[static_cast<int>(float_kernels_isa(isa))];  // avx512_bf16: avx512's
   }
 };
 

@@ -144,9 +144,40 @@ inline HeadMatrix<const T> tile_rows(const HeadsView<const S>& x,  // (B, H, L, 
   return HeadMatrix<const T>(buffer.data(), count, dim, Eigen::OuterStride<>(dim));
 }
 
+/// The products of flash in the compute scalar T, for K stored as SK and V as SV: the query
+/// tile transposed with the scale folded in (pass 1), each key and value tile read in place
+/// or widened into the workspace (tile_rows), and this instruction set's tile products.
+/// (kernels/simd/bf16_tiles.hpp has the same three steps on bf16 dot products.)
+template <class T, class SK, class SV>
+struct ScalarTileProducts {
+  /// qt (D, width) = scale * q^T, zero columns past q's rows.
+  static void pack_query_tile(const HeadMatrix<const T>& q,  // (rows, D)
+                              T scale, Index width, Workspace<T>& workspace) {
+    pack_queries(q.data(), q.outerStride(), q.rows(), q.cols(), scale, workspace.q.data(), width,
+                 width);
+  }
+  /// st (cols, width) = k[j0:j0+cols] qt, and tile_max (width) its column maxima when not null.
+  static void tile_scores(const HeadsView<const SK>& k,  // (B, Hkv, Lk, D)
+                          Index b, Index kv_head, Index j0, Index cols, Index dim, Index width,
+                          T /*scale: in qt*/, Workspace<T>& workspace, T* tile_max) {
+    const HeadMatrix<const T> k_tile = tile_rows<T, SK>(k, b, kv_head, j0, cols, workspace.k);
+    scores(k_tile.data(), k_tile.outerStride(), cols, workspace.q.data(), width, dim, width,
+           workspace.s.data(), width, tile_max);
+  }
+  /// ot (Dv, width) = alpha ot + v[j0:j0+cols]^T st (alpha null: ot = v^T st).
+  static void tile_accumulate(const HeadsView<const SV>& v,  // (B, Hkv, Lk, Dv)
+                              Index b, Index kv_head, Index j0, Index cols, Index width,
+                              const T* alpha, Workspace<T>& workspace) {
+    const HeadMatrix<const T> v_tile = tile_rows<T, SV>(v, b, kv_head, j0, cols, workspace.v);
+    accumulate(workspace.s.data(), width, cols, width, v_tile.data(), v_tile.outerStride(),
+               v_tile.cols(), alpha, workspace.acc.data(), width);
+  }
+};
+
 /// Flash attention for queries [i0, i0 + rows) of one (batch b, query head h) pair, whose
 /// rows of q and out are given, against head kv_head of k and v, stored as SK and SV (T,
-/// or 16-bit or quantized blocks widened tile by tile; contiguous, packed or paged). `workspace` is
+/// or 16-bit or quantized blocks widened tile by tile; contiguous, packed or paged), with
+/// the tile products of `Products` (ScalarTileProducts, or bf16 ones). `workspace` is
 /// reserved for at least padded(rows) queries and key_tile keys.
 ///   pass 1: qt = scale * q tile^T                    (the scale folded into the operand)
 ///   pass 2: for each key tile [j0, j1) the mask does not hide:
@@ -156,14 +187,14 @@ inline HeadMatrix<const T> tile_rows(const HeadsView<const S>& x,  // (B, H, L, 
 ///             online softmax down the columns of st  (a vector of queries at a time)
 ///             ot = alpha ot + v[j0:j1]^T st
 ///   pass 3: out = ot^T / l (zeros when the query sees nothing), logsumexp = m + log l
-template <class T, class SK, class SV = SK>
-void flash_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
-                const HeadsView<const SK>& k,  // (B, Hkv, Lk, D)  (blocks: D / 32 units)
-                const HeadsView<const SV>& v,  // (B, Hkv, Lk, Dv)
-                HeadMatrix<T> out,             // (rows, Dv) written
-                const AttentionProblem<T>& problem, Index b, Index h, Index kv_head, T scale,
-                Index i0, Index key_tile, Workspace<T>& workspace,
-                T* logsumexp) {  // (rows) or null
+template <class T, class SK, class SV, class Products>
+void flash_tile_with(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
+                     const HeadsView<const SK>& k,  // (B, Hkv, Lk, D)  (blocks: D / 32 units)
+                     const HeadsView<const SV>& v,  // (B, Hkv, Lk, Dv)
+                     HeadMatrix<T> out,             // (rows, Dv) written
+                     const AttentionProblem<T>& problem, Index b, Index h, Index kv_head, T scale,
+                     Index i0, Index key_tile, Workspace<T>& workspace,
+                     T* logsumexp) {  // (rows) or null
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
   const Index rows = q.rows(), i1 = i0 + rows, width = padded(rows);
   const Index dim = q.cols(), value_dim = v.dim * values_per_unit_v<SV>;
@@ -180,10 +211,9 @@ void flash_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
 
   const auto [keys_first, keys_last] = problem.mask().key_range(b, i0, i1);
   if (keys_first < keys_last) {
-    T* qt = workspace.q.data();
     T* st = workspace.s.data();
     T* tile_max = workspace.tile_max.data();
-    pack_queries(q.data(), q.outerStride(), rows, dim, scale, qt, stride, width);  // pass 1
+    Products::pack_query_tile(q, scale, width, workspace);  // pass 1
     const Dropout<T>& dropout = problem.dropout();
     if (dropout.active()) {
       for (Index r = 0; r < rows; ++r)
@@ -196,9 +226,8 @@ void flash_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
       if (visibility == TileVisibility::hidden)
         continue;
       const bool masked = visibility == TileVisibility::partial || problem.modifies_scores();
-      const HeadMatrix<const T> k_tile = tile_rows<T, SK>(k, b, kv_head, j0, cols, workspace.k);
-      scores(k_tile.data(), k_tile.outerStride(), cols, qt, stride, dim, width, st, stride,
-             masked ? nullptr : tile_max);
+      Products::tile_scores(k, b, kv_head, j0, cols, dim, width, scale, workspace,
+                            masked ? nullptr : tile_max);
       // Element by element for a keep-mask, changed scores, or sink tokens in the tile (a
       // row's visible keys are then two intervals); else one interval per row.
       const bool elementwise =
@@ -229,9 +258,8 @@ void flash_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
         for (Index j = 0; j < cols; ++j)
           dropout.apply_for_key(workspace.dropout_rows.data(), rows, j0 + j, st + j * stride);
       }
-      const HeadMatrix<const T> v_tile = tile_rows<T, SV>(v, b, kv_head, j0, cols, workspace.v);
-      accumulate(st, stride, cols, width, v_tile.data(), v_tile.outerStride(), value_dim,
-                 first_tile ? nullptr : alpha, ot, stride);
+      Products::tile_accumulate(v, b, kv_head, j0, cols, width, first_tile ? nullptr : alpha,
+                                workspace);
       first_tile = false;
     }
   }
@@ -240,6 +268,19 @@ void flash_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
                  problem.sink(h), out.row(r).data(),
                  logsumexp != nullptr ? logsumexp + r : nullptr);
   }
+}
+
+/// flash_tile_with in the compute scalar (ScalarTileProducts): the entry of the tables.
+template <class T, class SK, class SV = SK>
+void flash_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
+                const HeadsView<const SK>& k,  // (B, Hkv, Lk, D)  (blocks: D / 32 units)
+                const HeadsView<const SV>& v,  // (B, Hkv, Lk, Dv)
+                HeadMatrix<T> out,             // (rows, Dv) written
+                const AttentionProblem<T>& problem, Index b, Index h, Index kv_head, T scale,
+                Index i0, Index key_tile, Workspace<T>& workspace,
+                T* logsumexp) {  // (rows) or null
+  flash_tile_with<T, SK, SV, ScalarTileProducts<T, SK, SV>>(
+      q, k, v, out, problem, b, h, kv_head, scale, i0, key_tile, workspace, logsumexp);
 }
 
 /// One split [j0, j1) of the keys of one (b, kv head) for all R = G * Lq queries of the

@@ -16,6 +16,9 @@
 //   k, v       (Bk, D), (Bk, Dv)  a key/value tile widened to the compute scalar, when k
 //                                   or v is stored in 16 bits or quantized blocks and the
 //                                   products do not widen in registers
+//   bf16_q, bf16_p, bf16_k, bf16_v  flash's operands on bf16 products, in pairs along the
+//                                   sum (kernels/bf16_tiles.hpp): (D/2, W, 2) q^T,
+//                                   (Bk/2, W, 2) p^T, (Bk, D) k, (Bk/2, Dv, 2) v, 16-bit
 //
 // Sized once per call, reused for every work item of the thread; what that costs is stated
 // with each kernel (kernels/flash.hpp, kernels/decode.hpp).
@@ -76,6 +79,7 @@ struct Workspace {
   std::vector<std::int32_t> key_lo, key_hi;
   std::vector<std::uint32_t> dropout_rows;  // (W) the dropout's row keys of a tile's queries
   Scratch<T> k, v;
+  Scratch<std::uint16_t> bf16_q, bf16_p, bf16_k, bf16_v;  // bfloat16 bits
 
   /// Flash: query tiles of up to `width` (padded) queries, key tiles of up to `keys` keys.
   void reserve_flash(Index width, Index keys, Index dim, Index value_dim, bool widens_kv) {
@@ -88,6 +92,16 @@ struct Workspace {
     dropout_rows.resize(static_cast<std::size_t>(width));
     if (widens_kv)
       reserve_kv(keys, dim, value_dim);
+  }
+
+  /// Flash on bf16 products: the operands in pairs along each sum (D and keys rounded up
+  /// to even), for query tiles of up to `width` queries and key tiles of up to `keys` keys.
+  void reserve_bf16(Index width, Index keys, Index dim, Index value_dim) {
+    const Index dim2 = (dim + 1) / 2 * 2, keys2 = (keys + 1) / 2 * 2;
+    bf16_q.resize(dim2, width);
+    bf16_p.resize(keys2, width);
+    bf16_k.resize(keys, dim2);
+    bf16_v.resize(keys2, value_dim);
   }
 
   /// Decode: `rows` = G * Lq queries, key blocks of up to `keys` keys.

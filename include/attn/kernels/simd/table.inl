@@ -14,7 +14,7 @@ struct Table {
 
   /// flash_tile for compute scalar T, K stored as SK and V as SV.
   template <class T, class SK, class SV>
-  static constexpr ForwardKernels<T, SK, SV> forward{level, lanes, &flash_tile<T, SK, SV>};
+  static constexpr ForwardKernels<T, SK, SV> forward{level, lanes, &flash_tile<T, SK, SV>, nullptr};
 
   /// decode_split and merge_splits for compute scalar T, K stored as SK and V as SV.
   template <class T, class SK, class SV>

@@ -1,8 +1,9 @@
 // attn/kernels/simd/target.hpp: compile a region of code for one instruction set, whatever
 // flags the translation unit is built with.
 //
-//   ATTN_BEGIN_TARGET_AVX2     ... ATTN_END_TARGET    AVX2 + FMA + F16C, and never AVX-512
-//   ATTN_BEGIN_TARGET_AVX512   ... ATTN_END_TARGET    AVX-512F (with AVX2, FMA, F16C)
+//   ATTN_BEGIN_TARGET_AVX2         ... ATTN_END_TARGET   AVX2 + FMA + F16C, and never AVX-512
+//   ATTN_BEGIN_TARGET_AVX512       ... ATTN_END_TARGET   AVX-512F (with AVX2, FMA, F16C)
+//   ATTN_BEGIN_TARGET_AVX512_BF16  ... ATTN_END_TARGET   AVX-512F, BW, VL, VNNI and BF16
 //
 // Every function defined in the region (templates, member functions and lambdas included)
 // carries the target attribute, so the intrinsics of that instruction set may be used in it.
@@ -44,6 +45,8 @@
 #endif
 #define ATTN_BEGIN_TARGET_AVX512 \
   _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx2,fma,f16c\"))), apply_to = function)")
+#define ATTN_BEGIN_TARGET_AVX512_BF16 \
+  _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c\"))), apply_to = function)")
 #define ATTN_END_TARGET _Pragma("clang attribute pop")
 #else
 #if defined(__AVX512F__)
@@ -58,6 +61,10 @@
 #define ATTN_BEGIN_TARGET_AVX512                                                \
   _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx2,fma,f16c\")") \
       _Pragma("GCC optimize(\"fp-contract=off\")")
+#define ATTN_BEGIN_TARGET_AVX512_BF16                                                      \
+  _Pragma("GCC push_options")                                                              \
+      _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c\")") \
+          _Pragma("GCC optimize(\"fp-contract=off\")")
 #define ATTN_END_TARGET _Pragma("GCC pop_options")
 #endif
 // clang-format on
