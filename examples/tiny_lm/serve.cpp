@@ -474,8 +474,8 @@ void write_json(const std::vector<Request>& requests, const Served& served, cons
        << ", \"samples\": " << s.samples << ", \"page_size\": " << o.page_size
        << ", \"max_running\": " << o.max_running << ", \"max_tokens\": " << o.max_tokens
        << ", \"seed\": " << o.seed << ", \"repetitions\": " << o.repetitions
-       << ", \"system_prompt_tokens\": " << std::strlen(system_prompt) << ", \"isa\": \""
-       << attn::isa_name(attn::active_isa()) << "\", \"threads\": 1"
+       << ", \"system_prompt_tokens\": " << std::strlen(system_prompt) << R"(, "isa": ")"
+       << attn::isa_name(attn::active_isa()) << R"(", "threads": 1)"
        << ",\n \"steps\": " << served.steps << ", \"decode_steps\": " << served.decode_steps
        << ", \"peak_running\": " << s.peak_running
        << ",\n \"prefill\": {\"tokens\": " << served.prefill_tokens
@@ -494,7 +494,7 @@ void write_json(const std::vector<Request>& requests, const Served& served, cons
        << "},\n \"timeline\": [";
   for (std::size_t i = 0; i < served.timeline.size(); ++i) {
     const Point& p = served.timeline[i];
-    json << (i ? ", " : "") << "[" << p.step << ", " << p.running << ", " << p.in_use << ", "
+    json << (i > 0 ? ", " : "") << "[" << p.step << ", " << p.running << ", " << p.in_use << ", "
          << p.unshared << ", " << p.pool << "]";
   }
   json << "]}\n";
