@@ -423,6 +423,44 @@ def table_tiny_lm_speed():
     return lines
 
 
+def table_tiny_lm_serve():
+    """examples/tiny_lm/serve.cpp's --json: continuous batching over the paged cache."""
+    with open(RESULTS / "tiny_lm_serve.json", encoding="utf-8") as f:
+        r = json.load(f)
+    check = r["check"]
+    lines = source("tiny_lm_serve.json",
+                   probes=f"{r['requests']} requests, {r['samples']} samples, pages of "
+                   f"{r['page_size']} tokens, at most {r['max_running']} running samples, "
+                   f"{r['isa']}, {r['threads']} thread; the served times are medians of "
+                   f"{r['repetitions']} runs")
+    average = r["decode"]["tokens"] / max(r["decode_steps"], 1)
+
+    def row(what, part):
+        seconds = part["seconds"]
+        return (f"| {what} | {part['tokens']:,} | {1e3 * seconds:.1f} | "
+                f"{part['tokens'] / seconds:,.0f} |")
+
+    lines += ["| | tokens | ms | tokens/s |", "|---|---|---|---|",
+              row(f"prefill: the system prompt ({r['system_prompt_tokens']} tokens) once, then "
+                  "the texts admitted at a step in one forward", r["prefill"]),
+              row(f"decode: one forward per step over every running sample ({average:.1f} on "
+                  f"average, at most {r['peak_running']})", r["decode"]),
+              row("decode of the same samples one at a time on the contiguous `KVCache` "
+                  "(one run)", r["alone_decode"]),
+              row("every sampled token over the whole serving (sampling and scheduling "
+                  "included)", {"tokens": r["generated_tokens"], "seconds": r["wall_seconds"]}),
+              ""]
+    pages = r["pages"]
+    lines += ["| pages in use, at most | without shared pages | pool (its bytes, 4 layers) | "
+              "peak RSS | the same tokens alone | the same logits bits alone |",
+              "|---|---|---|---|---|---|",
+              f"| {pages['peak_in_use']} | {pages['peak_unshared']} | {pages['pool']} "
+              f"({pages['pool_bytes'] / 2**20:.1f} MiB) | {r['peak_rss_kib'] / 1024:.1f} MiB | "
+              f"{check['same_tokens']} of {check['samples']} | "
+              f"{check['same_logits']} of {check['samples']} |"]
+    return lines
+
+
 MULTIHEAD_ROWS = [
     ("mha_forward", "`MultiHeadAttention::forward`"),
     ("qkv_gemm", "QKV projection (4096 x 768)(768 x 2304), attn's GEMM"),
@@ -562,6 +600,7 @@ TABLES = {
     "prefill-formats": table_prefill_formats,
     "tiny-lm-kv-formats": table_tiny_lm_kv_formats,
     "tiny-lm-speed": table_tiny_lm_speed,
+    "tiny-lm-serve": table_tiny_lm_serve,
     "plan-sweep-readme": table_plan_sweep_readme,
     "plan-sweep-summary": table_plan_sweep_summary,
     "plan-sweep-grid": table_plan_sweep_grid,

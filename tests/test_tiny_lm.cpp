@@ -11,10 +11,12 @@
 #include <string>
 #include <vector>
 
+#include <attn/cpu.hpp>
 #include <attn/quantized.hpp>
 
 #include "../examples/tiny_lm/divergence.hpp"
 #include "../examples/tiny_lm/model.hpp"
+#include "../examples/tiny_lm/serving.hpp"
 #include "support/fixtures.hpp"
 using attn::Index;
 using attn_test::json;
@@ -118,6 +120,84 @@ TEST_CASE("tiny_lm: token-by-token and chunked decoding equal the full forward",
       t0 += n;
     }
   }
+}
+
+TEST_CASE("tiny_lm: a paged step over several sequences gives each the logits it gets alone",
+          "[tiny_lm][paged_kv_cache][isa]") {
+  // The fixture's prompt prefilled once and forked twice, and a sequence of its own; then
+  // one step of 5, 1 and 70 tokens side by side, and three steps of one token each, every
+  // row against the same sequence stepped alone through Model::step on a contiguous cache.
+  // Pages of 64 and attn's own GEMM (AVX2, AVX-512): the same bits; Eigen's products
+  // (generic) choose kernels by the number of rows: within rounding.
+  const tiny_lm::Model& m = model();
+  const bool exact = attn::active_isa() != attn::Isa::generic;
+  const std::vector<int> prompt = prompt_tokens();
+  const std::vector<int> greedy = tiny_lm_fixture().at("greedy_tokens").get<std::vector<int>>();
+  tiny_lm::PagedState<float> paged(m, 64);
+  const Index shared = paged.add_sequence();
+  tiny_lm::step(m, paged, {shared}, {prompt});
+  const Index a = paged.fork(shared), b = paged.fork(shared), c = paged.add_sequence();
+  const std::vector<Index> ids{b, c, a};
+  std::vector<std::vector<int>> feed{{greedy[0]},
+                                     std::vector<int>(greedy.begin() + 100, greedy.begin() + 170),
+                                     std::vector<int>(greedy.begin(), greedy.begin() + 5)};
+  std::vector<tiny_lm::Model::State> alone;
+  for (const Index id : ids) {
+    alone.push_back(m.new_state());
+    if (id != c)
+      m.step(alone.back(), prompt);
+  }
+  for (int round = 0; round < 4; ++round) {
+    const tiny_lm::Matrix logits = tiny_lm::step(m, paged, ids, feed);
+    Index row = 0;
+    for (std::size_t s = 0; s < ids.size(); ++s) {
+      const tiny_lm::Matrix want = m.step(alone[s], feed[s]);
+      const auto n = static_cast<Index>(feed[s].size());
+      const tiny_lm::Matrix got = logits.middleRows(row, n);
+      INFO("round " << round << ", sequence " << ids[s]);
+      if (exact) {
+        REQUIRE(got.cwiseEqual(want).all());
+      } else {
+        const std::vector<double> expected(want.data(), want.data() + want.size());
+        ATTN_REQUIRE_CLOSE(got.data(), got.size(), expected, 2e-5);
+      }
+      REQUIRE(paged.length(ids[s]) == alone[s].length());
+      feed[s] = {tiny_lm::Model::argmax(want.row(n - 1))};
+      row += n;
+    }
+  }
+  REQUIRE(paged.length(shared) == static_cast<Index>(prompt.size()));
+  // b's, a's and the shared prompt's first page: the prompt (18 tokens) is in one page, which
+  // a and b copied when they first wrote into it; the shared sequence alone holds it now.
+  REQUIRE(paged.cache(0).references(paged.cache(0).block_table(shared)[0]) == 1);
+  paged.remove(a);
+  paged.remove(b);
+  paged.remove(c);
+  REQUIRE(paged.pages_in_use() == 1);
+}
+
+TEST_CASE("tiny_lm: the paged step's refusals leave the state unchanged", "[tiny_lm]") {
+  const tiny_lm::Model& m = model();
+  tiny_lm::PagedState<float> paged(m, 16);
+  const Index a = paged.add_sequence();
+  tiny_lm::step(m, paged, {a}, {{72, 105}});
+  const auto unchanged = [&] {
+    REQUIRE(paged.sequences() == std::vector<Index>{a});
+    REQUIRE(paged.length(a) == 2);
+    REQUIRE(paged.pages_in_use() == 1);
+  };
+  REQUIRE_THROWS_WITH(tiny_lm::step(m, paged, {a}, {{1}, {2}}),
+                      "tiny_lm::step: 1 sequences but 2 lists of tokens");
+  REQUIRE_THROWS_WITH(tiny_lm::step(m, paged, {a, 4}, {{1}, {2}}),
+                      Contains("tiny_lm::step: sequence 4 is not in the cache"));
+  REQUIRE_THROWS_WITH(tiny_lm::step(m, paged, {a}, {{1, 300}}),
+                      "tiny_lm::step: tokens[1] is 300: the vocabulary is [0, 256)");
+  const std::vector<int> too_long(static_cast<std::size_t>(m.config().max_positions) - 1, 32);
+  REQUIRE_THROWS_WITH(tiny_lm::step(m, paged, {a}, {too_long}),
+                      "tiny_lm::step: 2 + 1023 tokens exceed the model's max_positions 1024");
+  REQUIRE_THROWS_WITH(tiny_lm::step(m, paged, {a, a}, {{1}, {2}}),
+                      Contains("sequence 0 is listed twice"));
+  unchanged();
 }
 
 namespace {

@@ -11,10 +11,15 @@
 //   logits = (rms_norm(x) * norm) lm_head^T                   (L, V)
 //
 // rms_norm(x) = x / sqrt(mean(x^2) + eps), no biases anywhere. The attention comes from the
-// library (the projections, RoPE, the causal kernels and the KV cache); everything else is
-// written out here on Eigen. Weights are read from the safetensors file the training script
-// writes: the hyper-parameters from its __metadata__, each layer's attention by
-// attn::load_safetensors under "layers.<i>.attn.".
+// library (the projections, RoPE, the causal kernels and the KV cache), and so do the MLP's
+// and the output head's products (attn::Linear); the rest is written out here on Eigen.
+// Every step is row by row or a product on attn's GEMM, whose outputs are each one FMA
+// chain in a fixed order whatever the number of rows (AVX2 and AVX-512; attn/kernels/gemm.hpp):
+// a token's logits do not depend on the other tokens of the call, which is what lets a
+// server batch sequences (examples/tiny_lm/serving.hpp) and get the tokens each gets alone.
+// Weights are read from the safetensors file the training script writes: the
+// hyper-parameters from its __metadata__, each layer's attention by attn::load_safetensors
+// under "layers.<i>.attn.".
 #pragma once
 
 #include <cmath>
@@ -27,6 +32,7 @@
 
 #include <attn/kv_cache.hpp>
 #include <attn/multihead.hpp>
+#include <attn/projection.hpp>
 #include <attn/rope.hpp>
 #include <attn/safetensors_multihead.hpp>
 #include <attn/tensor.hpp>
@@ -105,7 +111,7 @@ class Model {
       : config_(Config::from_metadata(file.metadata())) {
     const Config& c = config_;
     embed_ = matrix(file, "embed.weight", c.vocab_size, c.embed_dim);
-    lm_head_ = matrix(file, "lm_head.weight", c.vocab_size, c.embed_dim);
+    lm_head_ = linear(file, "lm_head.weight", c.vocab_size, c.embed_dim);
     norm_ = vector(file, "norm.weight", c.embed_dim);
     attn::MultiHeadAttentionConfig mc;
     mc.embed_dim = c.embed_dim;
@@ -122,9 +128,9 @@ class Model {
       Layer layer{attn::MultiHeadAttention<float>(mc),
                   vector(file, p + "attn_norm.weight", c.embed_dim),
                   vector(file, p + "mlp_norm.weight", c.embed_dim),
-                  matrix(file, p + "mlp.gate.weight", c.hidden_dim, c.embed_dim),
-                  matrix(file, p + "mlp.up.weight", c.hidden_dim, c.embed_dim),
-                  matrix(file, p + "mlp.down.weight", c.embed_dim, c.hidden_dim)};
+                  linear(file, p + "mlp.gate.weight", c.hidden_dim, c.embed_dim),
+                  linear(file, p + "mlp.up.weight", c.hidden_dim, c.embed_dim),
+                  linear(file, p + "mlp.down.weight", c.embed_dim, c.hidden_dim)};
       attn::load_safetensors(layer.attention, file, p + "attn.");
       layers_.push_back(std::move(layer));
     }
@@ -133,24 +139,36 @@ class Model {
   const Config& config() const { return config_; }
   /// The number of weights.
   Index parameters() const {
-    Index n = embed_.size() + lm_head_.size() + norm_.size();
+    Index n = embed_.size() + lm_head_.weight().size() + norm_.size();
     for (const Layer& l : layers_) {
       n += l.attention.in_proj().fused_weight().size() + l.attention.out_proj().weight().size() +
-           l.attn_norm.size() + l.mlp_norm.size() + l.gate.size() + l.up.size() + l.down.size();
+           l.attn_norm.size() + l.mlp_norm.size() + l.gate.weight().size() + l.up.weight().size() +
+           l.down.weight().size();
     }
     return n;
   }
 
   /// The whole sequence at once, no cache: tokens (L) -> logits (L, V), causal.
   Matrix forward(const std::vector<int>& tokens) const {
-    const Index length = static_cast<Index>(tokens.size());
     check_tokens("tiny_lm::Model::forward", tokens, 0);
-    Matrix x = embed(tokens);
     attn::MultiHeadForwardOptions<float> causal;
     causal.is_causal = true;
-    for (const Layer& layer : layers_) {
-      const attn::Tensor<float, 3> n = as_batch(rms_norm(x, layer.attn_norm));
-      const attn::Tensor<float, 3> a = layer.attention.forward(n, causal).output;  // (1, L, E)
+    return run(tokens, [&](std::size_t, const Attention& attention, const Matrix& n) {
+      return attention.forward(as_batch(n), causal).output;  // (1, L, E)
+    });
+  }
+
+  /// The model over `tokens` (n) with `attention(i, module, x)` standing for layer i's
+  /// attention: given the layer's module and its normalised input x (n, E), it returns the
+  /// attention's output, n rows of E values (a tensor (1, n, E) or (n, E)). forward, step
+  /// and the paged step of examples/tiny_lm/serving.hpp differ only there. -> logits (n, V).
+  template <class AttentionFn>
+  Matrix run(const std::vector<int>& tokens, const AttentionFn& attention) const {
+    const auto length = static_cast<Index>(tokens.size());
+    Matrix x = embed(tokens);
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      const auto a = attention(i, layer.attention, rms_norm(x, layer.attn_norm));
       x += Eigen::Map<const Matrix>(a.data(), length, config_.embed_dim);
       mlp(layer, x);
     }
@@ -175,21 +193,14 @@ class Model {
   /// and returns their logits (n, V): token t sees the cached tokens and tokens[0..t].
   template <class SK, class SV>
   Matrix step(CacheState<SK, SV>& state, const std::vector<int>& tokens) const {
-    const Index length = static_cast<Index>(tokens.size());
     check_tokens("tiny_lm::Model::step", tokens, state.length());
     if (static_cast<Index>(state.caches.size()) != config_.layers)
       throw std::invalid_argument(
           "tiny_lm::Model::step: the state is not this model's "
           "(make it with new_state)");
-    Matrix x = embed(tokens);
-    for (std::size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& layer = layers_[i];
-      const attn::Tensor<float, 3> n = as_batch(rms_norm(x, layer.attn_norm));
-      const attn::Tensor<float, 3> a = layer.attention.forward_incremental(n, state.caches[i]);
-      x += Eigen::Map<const Matrix>(a.data(), length, config_.embed_dim);
-      mlp(layer, x);
-    }
-    return logits(x);
+    return run(tokens, [&](std::size_t i, const Attention& attention, const Matrix& n) {
+      return attention.forward_incremental(as_batch(n), state.caches[i]);  // (1, n, E)
+    });
   }
 
   /// Greedy decoding: the prompt in one step, then `steps` tokens, each the argmax of the
@@ -207,46 +218,8 @@ class Model {
     return out;
   }
 
-  template <class Row>
-  static int argmax(const Row& row) {
-    Index best = 0;
-    for (Index j = 1; j < row.size(); ++j) {
-      if (row(j) > row(best))
-        best = j;
-    }
-    return static_cast<int>(best);
-  }
-
- private:
-  struct Layer {
-    attn::MultiHeadAttention<float> attention;  // in_proj (E + 2 Ekv, E), out_proj (E, E), RoPE
-    Vector attn_norm, mlp_norm;                 // (E)
-    Matrix gate, up, down;                      // (F, E), (F, E), (E, F): torch's (out, in)
-  };
-
-  static Matrix matrix(const attn::SafetensorsFile& file, const std::string& name, Index rows,
-                       Index cols) {
-    const attn::Tensor<float, 2> t = file.read<float, 2>(name);
-    if (t.dimension(0) != rows || t.dimension(1) != cols) {
-      throw std::invalid_argument("tiny_lm::Model: tensor \"" + name + "\" is " +
-                                  attn::detail::shape_string({t.dimension(0), t.dimension(1)}) +
-                                  " but the metadata make it " +
-                                  attn::detail::shape_string({rows, cols}));
-    }
-    return Eigen::Map<const Matrix>(t.data(), rows, cols);
-  }
-
-  static Vector vector(const attn::SafetensorsFile& file, const std::string& name, Index size) {
-    const attn::Tensor<float, 1> t = file.read<float, 1>(name);
-    if (t.dimension(0) != size) {
-      throw std::invalid_argument("tiny_lm::Model: tensor \"" + name + "\" is " +
-                                  attn::detail::shape_string({t.dimension(0)}) +
-                                  " but the metadata make it " +
-                                  attn::detail::shape_string({size}));
-    }
-    return Eigen::Map<const Vector>(t.data(), size);
-  }
-
+  /// Throws unless every token is in the vocabulary and `held` + their number fits
+  /// max_positions; `function` names the caller.
   void check_tokens(const char* function, const std::vector<int>& tokens, Index held) const {
     for (std::size_t t = 0; t < tokens.size(); ++t) {
       if (tokens[t] < 0 || tokens[t] >= config_.vocab_size) {
@@ -262,6 +235,55 @@ class Model {
                                   " tokens exceed the model's max_positions " +
                                   std::to_string(config_.max_positions));
     }
+  }
+
+  template <class Row>
+  static int argmax(const Row& row) {
+    Index best = 0;
+    for (Index j = 1; j < row.size(); ++j) {
+      if (row(j) > row(best))
+        best = j;
+    }
+    return static_cast<int>(best);
+  }
+
+ private:
+  using Attention = attn::MultiHeadAttention<float>;
+  using Linear = attn::Linear<float>;
+
+  struct Layer {
+    Attention attention;         // in_proj (E + 2 Ekv, E), out_proj (E, E), RoPE
+    Vector attn_norm, mlp_norm;  // (E)
+    Linear gate, up, down;       // (E, F), (E, F), (F, E): attn's (in, out)
+  };
+
+  static Matrix matrix(const attn::SafetensorsFile& file, const std::string& name, Index rows,
+                       Index cols) {
+    const attn::Tensor<float, 2> t = file.read<float, 2>(name);
+    if (t.dimension(0) != rows || t.dimension(1) != cols) {
+      throw std::invalid_argument("tiny_lm::Model: tensor \"" + name + "\" is " +
+                                  attn::detail::shape_string({t.dimension(0), t.dimension(1)}) +
+                                  " but the metadata make it " +
+                                  attn::detail::shape_string({rows, cols}));
+    }
+    return Eigen::Map<const Matrix>(t.data(), rows, cols);
+  }
+
+  /// A bias-free layer from torch's (out, in) weight.
+  static Linear linear(const attn::SafetensorsFile& file, const std::string& name, Index out,
+                       Index in) {
+    return Linear::from_torch(matrix(file, name, out, in));
+  }
+
+  static Vector vector(const attn::SafetensorsFile& file, const std::string& name, Index size) {
+    const attn::Tensor<float, 1> t = file.read<float, 1>(name);
+    if (t.dimension(0) != size) {
+      throw std::invalid_argument("tiny_lm::Model: tensor \"" + name + "\" is " +
+                                  attn::detail::shape_string({t.dimension(0)}) +
+                                  " but the metadata make it " +
+                                  attn::detail::shape_string({size}));
+    }
+    return Eigen::Map<const Vector>(t.data(), size);
   }
 
   Matrix embed(const std::vector<int>& tokens) const {  // -> (L, E)
@@ -290,19 +312,20 @@ class Model {
 
   void mlp(const Layer& layer, Matrix& x) const {  // x (L, E) += down(silu(gate n) * up n)
     const Matrix n = rms_norm(x, layer.mlp_norm);
-    const Matrix g = n * layer.gate.transpose();  // (L, F)
-    const Matrix u = n * layer.up.transpose();
+    const Matrix g = layer.gate(n);  // (L, F)
+    const Matrix u = layer.up(n);
     const Matrix h = g.unaryExpr([](float v) { return v / (1.0f + std::exp(-v)); }).cwiseProduct(u);
-    x.noalias() += h * layer.down.transpose();
+    x += layer.down(h);
   }
 
   Matrix logits(const Matrix& x) const {  // (L, E) -> (L, V)
-    return rms_norm(x, norm_) * lm_head_.transpose();
+    return lm_head_(rms_norm(x, norm_));
   }
 
   Config config_;
-  Matrix embed_, lm_head_;  // (V, E)
-  Vector norm_;             // (E)
+  Matrix embed_;    // (V, E)
+  Linear lm_head_;  // (E, V)
+  Vector norm_;     // (E)
   std::vector<Layer> layers_;
 };
 

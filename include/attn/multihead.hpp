@@ -39,8 +39,9 @@
 // rotated after the input projection, before the attention, which torch's module does not
 // do (Llama-style models do). forward: query token i at position i, key j at position j;
 // forward_packed: positions restart at 0 in every sequence; forward_incremental: the new
-// keys are rotated once at lengths[b] + t as they enter the cache, the queries at the same
-// positions. Not combinable with add_bias_kv or add_zero_attn (those rows have no position).
+// keys are rotated once at lengths[b] + t (a paged cache: at each sequence's length + t) as
+// they enter the cache, the queries at the same positions. Not combinable with add_bias_kv
+// or add_zero_attn (those rows have no position).
 //
 // Training: forward_train returns the output and a MultiHeadAttentionContext (the inputs,
 // the projections, the attention output before out_proj, its log-sum-exp, the masks);
@@ -51,7 +52,8 @@
 //   attn/multihead/arguments.hpp  the configuration, options, outputs, context, gradients
 //   attn/multihead/layout.hpp     the projection-buffer layout of every call path
 //   attn/multihead/module.hpp     the class: construction, accessors, forward, forward_into
-//   attn/multihead/sequences.hpp  forward_incremental on a KVCache, forward_packed
+//   attn/multihead/sequences.hpp  forward_incremental on a KVCache or a PagedKVCache,
+//                                 forward_packed
 //   attn/multihead/torch.hpp      PyTorch compatibility: state dicts, MHA-polarity masks,
 //                                 the rows of add_bias_kv and add_zero_attn
 //   attn/multihead/training.hpp   forward_train, backward, backward_into

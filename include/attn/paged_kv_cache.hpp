@@ -224,6 +224,39 @@ class PagedKVCache {
     return out;
   }
 
+  /// Throws, naming `function`, what attend_into(sequences, q, outputs, options) would throw
+  /// for queries q (B, q_heads, q_length, D) and outputs of the right shapes once added[b]
+  /// more tokens (none if `added` is empty) have been appended to sequences[b]: the ids, the
+  /// options, the mask, the plan and the released pages are checked, nothing runs. For a
+  /// caller that must know an attend will pass before it makes an append it cannot undo
+  /// (MultiHeadAttention::forward_incremental).
+  void check_attend(const char* function, const std::vector<Index>& sequences, Index q_heads,
+                    Index q_length, const AttentionOptions<compute_type>& options,
+                    const std::vector<Index>& added = {}) const {
+    const auto batch = static_cast<Index>(sequences.size());
+    table_.check_sequences(function, sequences, batch);
+    if (!added.empty() && added.size() != sequences.size()) {
+      detail::throw_invalid_argument(function, "added has " + std::to_string(added.size()) +
+                                                   " entries but there are " +
+                                                   std::to_string(batch) + " sequences");
+    }
+    if (q_heads < 1 || q_length < 0 ||
+        std::any_of(added.begin(), added.end(), [](Index n) { return n < 0; })) {
+      detail::throw_invalid_argument(function, "q_heads is " + std::to_string(q_heads) +
+                                                   ", q_length " + std::to_string(q_length) +
+                                                   " and added " + detail::list_string(added) +
+                                                   ": q_heads must be positive, the others >= 0");
+    }
+    std::vector<Index> lengths = table_.lengths_of(sequences);
+    for (std::size_t b = 0; b < added.size(); ++b)
+      lengths[b] += added[b];
+    const PlannedCall call =
+        plan_call(function, sequences, lengths, q_heads, q_length, options, true);
+    const AttentionProblem<C> problem(function, batch, q_heads, q_length, call.max_length,
+                                      call.options, call.plan.isa);
+    check_released(function, sequences, problem.mask(), q_length);
+  }
+
  private:
   using C = compute_type;
 
@@ -307,6 +340,64 @@ class PagedKVCache {
     return view;
   }
 
+  /// What an attend of q_length queries of q_heads heads (head dim D) per listed sequence,
+  /// whose lengths are `lengths`, gives the kernels: the options with the cache's mask, the
+  /// plan and the scale, after the checks of everything but the tensors. The problem is
+  /// built from `options` by the caller (it is not movable into a result).
+  struct PlannedCall {
+    AttentionOptions<C> options;
+    KernelPlan plan;
+    C scale = 0;
+    Index max_length = 0;
+  };
+
+  PlannedCall plan_call(const char* function, const std::vector<Index>& sequences,
+                        const std::vector<Index>& lengths, Index q_heads, Index q_length,
+                        const AttentionOptions<C>& options, bool causal) const {
+    if (options.causal != Causal::none || !options.key_lengths.empty() ||
+        !options.query_lengths.empty()) {
+      detail::throw_invalid_argument(
+          function, std::string("options.causal, options.key_lengths and options.query_lengths "
+                                "must be unset: the cache applies ") +
+                        (causal ? "the bottom-right causal mask and its own lengths"
+                                : "its own lengths (every query sees every cached token)"));
+    }
+    for (std::size_t b = 0; b < lengths.size() && causal; ++b) {
+      if (lengths[b] < q_length) {
+        detail::throw_invalid_argument(
+            function, "q is " +
+                          detail::shape_string(
+                              {static_cast<Index>(lengths.size()), q_heads, q_length, dim_}) +
+                          ": " + std::to_string(q_length) + " queries but sequence " +
+                          std::to_string(sequences[b]) + " holds only " +
+                          std::to_string(lengths[b]) + " tokens (append the new tokens first)");
+      }
+    }
+    if (options.algorithm != Algorithm::automatic && options.algorithm != Algorithm::decode &&
+        options.algorithm != Algorithm::flash) {
+      detail::throw_invalid_argument(
+          function, std::string("options.algorithm is ") + algorithm_name(options.algorithm) +
+                        ": a paged cache runs the decode or the flash kernel (automatic, decode "
+                        "or flash)");
+    }
+    PlannedCall call;
+    call.max_length = lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
+    AttentionOptions<C>& o = call.options;
+    o = options;
+    o.causal = causal ? Causal::bottom_right : Causal::none;
+    if (std::any_of(lengths.begin(), lengths.end(), [&](Index n) { return n != call.max_length; }))
+      o.key_lengths = lengths;
+    call.scale = detail::resolve_scale(function, o.scale, dim_);
+    const auto batch = static_cast<Index>(lengths.size());
+    AttentionShape shape{batch, q_heads, kv_heads_, q_length, call.max_length, dim_, value_dim_};
+    shape.kv_element_bytes = is_quantized_v<S> || is_quantized_v<SV> ? 1 : Index(sizeof(S));
+    shape.kv_quantized = is_quantized_v<S> || is_quantized_v<SV>;
+    shape.kv_paged = true;
+    shape.bf16_readable_kv = detail::bf16_readable_v<S> && detail::bf16_readable_v<SV>;
+    call.plan = plan_attention<C>(shape, o, false, function);
+    return call;
+  }
+
   void attend_paged(const char* function, const std::vector<Index>& sequences,
                     const HeadsView<const C>& q,             // (B, Hq, Lq, D)
                     const AttentionOutputViews<C>& outputs,  // out (B, Hq, Lq, Dv), ...
@@ -328,24 +419,6 @@ class PagedKVCache {
     detail::check_attention_shapes(function, q, shape_of(keys, dim_), shape_of(values, value_dim_),
                                    "k (cached)", "v (cached)");
     detail::check_output_shape(function, q, value_dim_, out);
-    if (options.causal != Causal::none || !options.key_lengths.empty() ||
-        !options.query_lengths.empty()) {
-      detail::throw_invalid_argument(
-          function, std::string("options.causal, options.key_lengths and options.query_lengths "
-                                "must be unset: the cache applies ") +
-                        (causal ? "the bottom-right causal mask and its own lengths"
-                                : "its own lengths (every query sees every cached token)"));
-    }
-    for (Index b = 0; b < batch && causal; ++b) {
-      if (lengths[static_cast<std::size_t>(b)] < q.length) {
-        detail::throw_invalid_argument(
-            function, "q is " + detail::shape_string({q.batch, q.heads, q.length, q.dim}) + ": " +
-                          std::to_string(q.length) + " queries but sequence " +
-                          std::to_string(sequences[static_cast<std::size_t>(b)]) + " holds only " +
-                          std::to_string(lengths[static_cast<std::size_t>(b)]) +
-                          " tokens (append the new tokens first)");
-      }
-    }
     detail::check_output_aliasing(function, q, all_pages(keys), all_pages(values), out);
     if (outputs.weights) {
       detail::throw_invalid_argument(
@@ -354,31 +427,17 @@ class PagedKVCache {
           "flash, never form them)");
     }
     detail::check_optional_outputs(function, q, all_pages(keys), all_pages(values), outputs);
-    if (options.algorithm != Algorithm::automatic && options.algorithm != Algorithm::decode &&
-        options.algorithm != Algorithm::flash) {
-      detail::throw_invalid_argument(
-          function, std::string("options.algorithm is ") + algorithm_name(options.algorithm) +
-                        ": a paged cache runs the decode or the flash kernel (automatic, decode "
-                        "or flash)");
-    }
-    AttentionOptions<C> o = options;
-    o.causal = causal ? Causal::bottom_right : Causal::none;
-    if (std::any_of(lengths.begin(), lengths.end(), [&](Index n) { return n != max_length; }))
-      o.key_lengths = lengths;
-    const C scale = detail::resolve_scale(function, o.scale, q.dim);
-    AttentionShape shape{q.batch, q.heads, kv_heads_, q.length, max_length, dim_, value_dim_};
-    shape.kv_element_bytes = is_quantized_v<S> || is_quantized_v<SV> ? 1 : Index(sizeof(S));
-    shape.kv_quantized = is_quantized_v<S> || is_quantized_v<SV>;
-    shape.kv_paged = true;
-    shape.bf16_readable_kv = detail::bf16_readable_v<S> && detail::bf16_readable_v<SV>;
-    const KernelPlan plan = plan_attention<C>(shape, o, false, function);
-    const AttentionProblem<C> problem(function, q.batch, q.heads, q.length, max_length, o,
-                                      plan.isa);
+    const PlannedCall call =
+        plan_call(function, sequences, lengths, q.heads, q.length, options, causal);
+    const AttentionProblem<C> problem(function, q.batch, q.heads, q.length, max_length,
+                                      call.options, call.plan.isa);
     check_released(function, sequences, problem.mask(), q.length);
     if (q.length == 0)
       return;
     const detail::RowValues<C> logsumexp =
         outputs.logsumexp ? detail::row_values(*outputs.logsumexp) : detail::RowValues<C>{};
+    const KernelPlan& plan = call.plan;
+    const C scale = call.scale;
     if (rotation_ == KVRotation::none)
       return run(plan, q, keys, values, out, problem, scale, logsumexp);
     // The queries rotated like the keys; the output, rotated like the values, turned back.

@@ -18,7 +18,10 @@
 //                    threads.
 // Packing copies both operands once per block into panels in the order the micro-kernel
 // reads them (kernels/simd/gemm_micro.inl), so that its loads are contiguous whatever the
-// strides.
+// strides. A product of at most gemm_unpacked_rows rows (decoding one token) skips it: each
+// row of c runs the same chains straight from a and b (Gemm::rows_unpacked), which for one
+// row is 3 to 6 times faster than packing b and computing a whole register block (tiny LM
+// and BERT-base shapes, AVX2 and AVX-512), and gives the same bits.
 //
 // Order of summation: every c[i, j] is one FMA chain over k = 0 .. K-1 in order, started
 // from c (accumulate) or 0, the bias added after the last step; K is never split between
@@ -27,10 +30,10 @@
 // thread computes its own rows of c (or its own columns, when there are too few rows).
 // With parallel = false (plan_gemm: problems under 1 MFLOP) it runs on the calling thread.
 //
-// Extra memory: kc * nc_used floats for the packed b block (nc_used = N rounded up to nr, at
-// most 4096: 2.4 MB at K = 768, N = 2304) plus mc * kc floats per thread for the packed a
-// block (112 KB for avx512, 144 KB for avx2). The buffer belongs to the calling thread and
-// is kept for its next call (it grows to the largest problem seen, never shrinks).
+// Extra memory (none for a few rows): kc * nc_used floats for the packed b block (nc_used = N
+// rounded up to nr, at most 4096: 2.4 MB at K = 768, N = 2304) plus mc * kc floats per thread for
+// the packed a block (112 KB for avx512, 144 KB for avx2). The buffer belongs to the calling thread
+// and is kept for its next call (it grows to the largest problem seen, never shrinks).
 //
 // Speed against Eigen's GEMM and the FMA probe: bench/bench_gemm.cpp, docs/performance.md.
 //
@@ -180,6 +183,31 @@ void gemm_packed(Index m, Index n, Index k, const float* a, Index lda, const flo
   }
 }
 
+/// Products of at most this many rows skip the packing (gemm_unpacked): decoding one token
+/// multiplies one row, for which packing b and computing a register block of mr rows cost
+/// several times the product. The same bits either way. Measured (Xeon, AVX-512 and AVX2;
+/// K x N of 64 x 192 to 768 x 2304): unpacked 3-6x faster for one row, 1.3-3x for two,
+/// from three or four rows on at par or slower where b is large.
+inline constexpr Index gemm_unpacked_rows = 2;
+
+/// The GEMM of a few rows on the kernels of one instruction set, a and b read as they lie
+/// (K::rows_unpacked): the columns in strips of 256, shared by the threads with `parallel`.
+template <class K>
+void gemm_unpacked(Index m, Index n, Index k, const float* a, Index lda, const float* b, Index ldb,
+                   float* c, Index ldc, const float* bias, bool accumulate, bool parallel) {
+  constexpr Index strip = 256;
+  const Index strips = (n + strip - 1) / strip;
+  (void)parallel;
+#if ATTN_HAS_OPENMP
+#pragma omp parallel for if (parallel && strips > 1) schedule(static)
+#endif
+  for (Index s = 0; s < strips; ++s) {
+    const Index j = s * strip;
+    K::rows_unpacked(m, std::min(strip, n - j), k, a, lda, b + j, ldb, c + j, ldc,
+                     bias == nullptr ? nullptr : bias + j, accumulate);
+  }
+}
+
 /// The GEMM entry of an instruction set's table (kernels/dispatch.hpp): c (M, N) = a (M, K)
 /// * b (K, N) [+ c if accumulate] [+ bias (N) on every row], row-major, strides in elements;
 /// the packed kernels of K (avx2::Gemm, avx512::Gemm), or Eigen's product for generic::Gemm.
@@ -206,6 +234,10 @@ void gemm_of(Index m, Index n, Index k, const T* a, Index lda, const T* b, Index
           c[i * ldc + j] = x;
         }
       }
+      return;
+    }
+    if (m <= gemm_unpacked_rows) {
+      gemm_unpacked<K>(m, n, k, a, lda, b, ldb, c, ldc, bias, accumulate, parallel);
       return;
     }
     gemm_packed<K>(m, n, k, a, lda, b, ldb, c, ldc, bias, accumulate, parallel);

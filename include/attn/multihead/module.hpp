@@ -4,7 +4,8 @@
 // (the header to include) brings together:
 //   attn/multihead/torch.hpp      PyTorch compatibility: state dicts, the MHA-polarity masks,
 //                                 the rows add_bias_kv and add_zero_attn append
-//   attn/multihead/sequences.hpp  forward_incremental on a KVCache, forward_packed
+//   attn/multihead/sequences.hpp  forward_incremental on a KVCache or a PagedKVCache,
+//                                 forward_packed
 //   attn/multihead/training.hpp   forward_train, backward, backward_into
 // Shapes, data flow and weight layouts: attn/multihead.hpp.
 #pragma once
@@ -26,6 +27,7 @@
 #include "attn/mask.hpp"
 #include "attn/multihead/arguments.hpp"
 #include "attn/multihead/layout.hpp"
+#include "attn/paged_kv_cache.hpp"
 #include "attn/precision.hpp"
 #include "attn/projection.hpp"
 #include "attn/rope.hpp"
@@ -142,6 +144,37 @@ class MultiHeadAttention {
   template <class S, class SV>
   Tensor<T, 3> forward_incremental(const Tensor<T, 3>& x_new,  // (B, Lnew, E)
                                    KVCache<S, SV>& cache,
+                                   const AttentionOptions<C>& attention = {}) const;
+
+  /// forward_incremental over the sequences of a PagedKVCache<S, SV>(Hkv, D, D, page_size):
+  /// batch row b of x_new (B, Lnew, E) holds the Lnew new tokens of sequence sequences[b]
+  /// (distinct live ids). Each row is projected, rotated and attended as the KVCache overload
+  /// does, and when the page size is a multiple of decode_key_block (64) the result equals
+  /// it bit for bit (other page sizes: within rounding). Refused in `attention`, besides
+  /// what the KVCache overload refuses: a keep-mask, a bias, a mask_mod or block mask, a
+  /// score_mod and dropout (they are indexed by batch row, which here is a place in the
+  /// call, not a sequence). Any throw leaves the cache unchanged: everything, the attention
+  /// options and released pages included, is checked before the first append.
+  template <class S, class SV>
+  Tensor<T, 3> forward_incremental(const Tensor<T, 3>& x_new,  // (B, Lnew, E)
+                                   PagedKVCache<S, SV>& cache, const std::vector<Index>& sequences,
+                                   const AttentionOptions<C>& attention = {}) const;
+
+  /// The same for new tokens of different counts (continuous batching: a prompt chunk of one
+  /// sequence beside single tokens of others): x_new (T, E) packed, sequence sequences[b]'s
+  /// new tokens being rows [cu_seqlens[b], cu_seqlens[b + 1]) (FlashAttention's
+  /// convention; a sequence may have none). Returns (T, E). One projection GEMM and one
+  /// output GEMM over all T rows; the attention runs once per distinct count, over all the
+  /// sequences of that count, each sequence's exactly as if it ran alone. On attn's AVX2 and
+  /// AVX-512 GEMM, whose rows do not depend on the others, a sequence's result is then the
+  /// same bits as alone, whatever else the call holds (batch invariance: a server gets each
+  /// request's tokens as if it were served alone); Eigen's products (the generic path and
+  /// double) choose their kernels by shape, so there it is within rounding.
+  template <class S, class SV>
+  Tensor<T, 2> forward_incremental(const Tensor<T, 2>& x_new,  // (T, E)
+                                   PagedKVCache<S, SV>& cache,
+                                   const std::vector<Index>& sequences,   // (B)
+                                   const std::vector<Index>& cu_seqlens,  // (B + 1)
                                    const AttentionOptions<C>& attention = {}) const;
 
   /// Self-attention over packed sequences: x (T, E) holds B sequences one after another,
@@ -336,6 +369,24 @@ class MultiHeadAttention {
       rotary_.apply(layout.k_view(kv_buffer));
     }
   }
+
+  // forward_incremental's parts (attn/multihead/sequences.hpp).
+
+  /// Pass 2 of forward_incremental: the new queries q (B, H, L, D) (a (B, L, E) buffer of
+  /// T; rotated in place) turned by RoPE from positions[b] on, attended by
+  /// attend(q, out) with q (B, H, L, D) and out (B, L, H, D) views in C (the
+  /// queries widened exactly for 16-bit T), the output written into merged (B*L, E) of T.
+  template <class Attend>
+  void attend_new_tokens(const HeadsView<T>& q,                // (B, H, L, D)
+                         const std::vector<Index>& positions,  // (B)
+                         T* merged,                            // (B*L, E)
+                         const Attend& attend) const;
+  /// Both PagedKVCache overloads: x (tokens, E), its rows of sequences[b] being
+  /// [cu_seqlens[b], cu_seqlens[b + 1]), into y (tokens, E).
+  template <class S, class SV>
+  void forward_paged(const char* function, const T* x, Index tokens, PagedKVCache<S, SV>& cache,
+                     const std::vector<Index>& sequences, const std::vector<Index>& cu_seqlens,
+                     const AttentionOptions<C>& attention, T* y) const;
 
   static std::string shape_of(const std::vector<Index>& shape) {
     return detail::list_string(shape);

@@ -17,7 +17,9 @@
 // Every element of c is one chain of FMAs in order of k, started from 0 or from c (when
 // `load_c`: a previous depth block's partial sum, or the caller's c), with the bias added
 // after the last step. An edge tile runs the same chain on a copy on the stack, so its bits
-// do not depend on where the tile boundaries fall.
+// do not depend on where the tile boundaries fall. rows_unpacked runs the same
+// chain on a and b as they lie, one row of c at a time (no packing, for products of a few
+// rows): their bits are the packed path's too.
 
 struct Gemm {
   static constexpr bool packed = true;                    // kernels/gemm.hpp: gemm_of
@@ -129,6 +131,61 @@ struct Gemm {
 #pragma GCC unroll 4
       for (std::size_t v = 0; v < V; ++v)
         store(c + static_cast<Index>(r) * ldc + lanes * static_cast<Index>(v), acc[r][v]);
+    }
+  }
+
+  /// y[0:count * lanes) = (load_c ? y : 0) + x b (+ bias) for one row x (depth) of a and
+  /// `count` whole vectors of columns of b (depth rows ldb apart), unpacked: tile()'s chain.
+  /// `count` vectors in flight hide the FMA latency that one would expose.
+  template <Index count>
+  static void row_vectors(Index depth, const float* x, const float* b, Index ldb, float* y,
+                          const float* bias, bool load_c) {
+    constexpr auto V = static_cast<std::size_t>(count);
+    vec acc[V];
+#pragma GCC unroll 8
+    for (std::size_t v = 0; v < V; ++v)
+      acc[v] = load_c ? load(y + lanes * static_cast<Index>(v)) : zero();
+    for (Index k = 0; k < depth; ++k) {
+      const vec s = set1(x[k]);
+#pragma GCC unroll 8
+      for (std::size_t v = 0; v < V; ++v)
+        acc[v] = fmadd(s, load(b + k * ldb + lanes * static_cast<Index>(v)), acc[v]);
+    }
+#pragma GCC unroll 8
+    for (std::size_t v = 0; v < V; ++v) {
+      const Index at = lanes * static_cast<Index>(v);
+      store(y + at, bias != nullptr ? add(acc[v], load(bias + at)) : acc[v]);
+    }
+  }
+
+  /// row_vectors for the last `width` < lanes columns: masked loads and stores.
+  static void row_tail(Index depth, const float* x, const float* b, Index ldb, float* y,
+                       const float* bias, bool load_c, Index width) {
+    vec acc = load_c ? load_first(y, width) : zero();
+    for (Index k = 0; k < depth; ++k)
+      acc = fmadd(set1(x[k]), load_first(b + k * ldb, width), acc);
+    store_first(y, bias != nullptr ? add(acc, load_first(bias, width)) : acc, width);
+  }
+
+  /// c[0:count_m, 0:count_n) = (load_c ? c : 0) + a b (+ bias) on a and b as they lie, row by
+  /// row of c: for fewer rows than a register block, where packing b (and computing a whole
+  /// block of mr rows) costs more than the product. The same bits as block() on packed
+  /// panels (kernels/gemm.hpp chooses).
+  static void rows_unpacked(Index count_m, Index count_n, Index depth, const float* a, Index lda,
+                            const float* b, Index ldb, float* c, Index ldc, const float* bias,
+                            bool load_c) {
+    constexpr Index wide = 8;  // vectors in flight
+    for (Index i = 0; i < count_m; ++i) {
+      const float* x = a + i * lda;
+      float* y = c + i * ldc;
+      Index j = 0;
+      const auto at = [&](const float* p) { return p == nullptr ? p : p + j; };
+      for (; j + wide * lanes <= count_n; j += wide * lanes)
+        row_vectors<wide>(depth, x, b + j, ldb, y + j, at(bias), load_c);
+      for (; j + lanes <= count_n; j += lanes)
+        row_vectors<1>(depth, x, b + j, ldb, y + j, at(bias), load_c);
+      if (j < count_n)
+        row_tail(depth, x, b + j, ldb, y + j, at(bias), load_c, count_n - j);
     }
   }
 
