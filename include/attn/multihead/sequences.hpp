@@ -284,6 +284,7 @@ void MultiHeadAttention<T>::forward_paged(const char* function,
   }
   const auto ids_of = [&](const std::vector<std::size_t>& group) {
     std::vector<Index> ids;
+    ids.reserve(group.size());
     for (const std::size_t b : group)
       ids.push_back(sequences[b]);
     return ids;
@@ -318,6 +319,7 @@ void MultiHeadAttention<T>::forward_paged(const char* function,
     const Index count = counts[group[0]], rows = static_cast<Index>(group.size()) * count;
     const std::vector<Index> ids = ids_of(group);
     std::vector<Index> first;  // the group's positions
+    first.reserve(group.size());
     for (const std::size_t b : group)
       first.push_back(positions[b]);
     const auto attend = [&](const HeadsView<const C>& q, const HeadsView<C>& out) {
