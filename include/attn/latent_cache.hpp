@@ -189,14 +189,18 @@ class LatentCache {
 
   /// append() for rank-4 tensors or tensor maps (B, 1, Lnew, C) and (B, 1, Lnew, R).
   template <class TL, class TR, class = std::enable_if_t<detail::is_rank4_tensor_v<TL>>>
-  void append(const std::vector<Index>& sequences, const TL& latent, const TR& rope,
+  void append(const std::vector<Index>& sequences,
+              const TL& latent,  // (B, 1, Lnew, C)
+              const TR& rope,    // (B, 1, Lnew, R)
               const std::vector<Index>& counts = {}) {
     append<detail::rank4_scalar_t<TL>>(sequences, detail::as_heads_view(latent),
                                        detail::as_heads_view(rope), counts);
   }
   /// The rotating append() for rank-4 tensors or tensor maps.
   template <class TL, class TR, class = std::enable_if_t<detail::is_rank4_tensor_v<TL>>>
-  void append(const std::vector<Index>& sequences, const TL& latent, const TR& rope,
+  void append(const std::vector<Index>& sequences,
+              const TL& latent,  // (B, 1, Lnew, C)
+              const TR& rope,    // (B, 1, Lnew, R)
               const RotaryEmbedding<compute_type>& rotary, const std::vector<Index>& counts = {}) {
     append<detail::rank4_scalar_t<TL>>(sequences, detail::as_heads_view(latent),
                                        detail::as_heads_view(rope), rotary, counts);
@@ -252,7 +256,8 @@ class LatentCache {
   /// The checks of append(), before anything changes.
   template <class U>
   void check_append(const char* function, const std::vector<Index>& sequences,
-                    const HeadsView<const U>& latent, const HeadsView<const U>& rope,
+                    const HeadsView<const U>& latent,  // (B, 1, Lnew, C)
+                    const HeadsView<const U>& rope,    // (B, 1, Lnew, R)
                     const std::vector<Index>& counts) const {
     table_.check_sequences(function, sequences, latent.batch);
     const auto shapes = [&] {
@@ -286,8 +291,10 @@ class LatentCache {
   /// The first counts[b] (all, if empty) rows of batch row b into sequences[b], page by
   /// page, a shared last page copied first; the inputs have been checked.
   template <class U, class V>
-  void store_all(const std::vector<Index>& sequences, const HeadsView<const U>& latent,
-                 const HeadsView<const V>& rope, const std::vector<Index>& counts) {
+  void store_all(const std::vector<Index>& sequences,
+                 const HeadsView<const U>& latent,  // (B, 1, Lnew, C)
+                 const HeadsView<const V>& rope,    // (B, 1, Lnew, R)
+                 const std::vector<Index>& counts) {
     const Index needed = table_.pages_needed(sequences, latent.length, counts);
     if (needed > free_pages())
       grow_pool(std::max(needed - free_pages(), pages()));  // geometric: at least doubles

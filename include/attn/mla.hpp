@@ -56,14 +56,15 @@ namespace detail {
 
 /// Per-head matrices (H, rows, cols) as the (1, H, rows, cols) view the overlap checks read.
 template <class T>
-HeadsView<const T> head_matrices(const TensorMap<const T, 3>& w) {
+HeadsView<const T> head_matrices(const TensorMap<const T, 3>& w) {  // (H, rows, cols)
   const Index heads = w.dimension(0), rows = w.dimension(1), cols = w.dimension(2);
   return {w.data(), 1, heads, rows, cols, heads * rows * cols, rows * cols, cols};
 }
 
 /// Throws if `name` is a packed or paged view: the projections take padded (B, H, L, D) views.
 template <class T>
-void refuse_packed(const char* function, const char* name, const HeadsView<T>& x) {
+void refuse_packed(const char* function, const char* name,
+                   const HeadsView<T>& x) {  // (B, H, L, D)
   if (x.row_offsets != nullptr || x.pages != nullptr) {
     throw_invalid_argument(function, std::string(name) +
                                          " is a packed or paged view: pass padded (B, H, L, D) "
