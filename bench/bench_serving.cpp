@@ -17,6 +17,16 @@
 //                   (args B, N, P, threads), the pages of the B sequences interleaved in
 //                   the pool (appended P tokens at a time, every sequence in turn)
 //   contiguous      KVCache::attend_into over the same tokens (args B, N, 0, threads)
+//   mla/<format>    LatentCache::attend_into, one decoding step of DeepSeek-V2-Lite's
+//                   attention (args B, N, threads): H = 16 query heads against one latent kv
+//                   head of C = 512 + R = 64 values a token (V the first 512 columns of the
+//                   same rows), Lq = 1, pages of 64 filled 64 tokens of every sequence in
+//                   turn, stored as float or half; KV_bytes = B N (C + R) sizeof(S), the rows
+//                   a call reads (once: V is not read again from memory), and FLOPS =
+//                   2 B N H (2 C + R), the decode kernel's multiply-adds
+//   mla_step        the same step with the absorbed projections around it (float; P = 128,
+//                   Dv = 128): mla_absorb_queries, LatentCache::attend_into,
+//                   mla_project_output
 //   bandwidth       the streaming probe (a 512 MiB float array summed, one pass an
 //                   iteration), the ceiling of per_sequence
 //   fma_peak        the FMA probe (common.hpp), the ceiling of the prefix pass
@@ -36,7 +46,10 @@
 #include <utility>
 #include <vector>
 
+#include <attn/attention.hpp>
 #include <attn/kv_cache.hpp>
+#include <attn/latent_cache.hpp>
+#include <attn/mla.hpp>
 #include <attn/paged_kv_cache.hpp>
 #include <attn/shared_prefix.hpp>
 
@@ -212,6 +225,165 @@ void BM_decoding(benchmark::State& state) {
   set_counters(state, 2.0 * kv_heads * dim * sizeof(float) * static_cast<double>(batch * length));
 }
 
+// --- MLA ---------------------------------------------------------------------------------
+
+constexpr Index mla_heads = 16, mla_latent = 512, mla_rope = 64, mla_nope = 128, mla_value = 128;
+
+/// B sequences of N tokens in a LatentCache<S> with pages of 64, the pages of the sequences
+/// interleaved in the pool, and one new token's absorbed queries (B, 16, 1, C + R).
+template <class S>
+struct MlaDecoding {
+  attn::LatentCache<S> cache;
+  std::vector<Index> ids;
+  std::vector<float> rows;  // (chunk, C + R): the tokens appended, again and again
+  std::vector<float> q, out;
+  Index batch, length;
+  static constexpr Index page = 64, chunk = 4096;
+
+  MlaDecoding(Index b, Index n)
+      : cache(mla_latent, mla_rope, page, b * ((n + page - 1) / page), false),
+        rows(static_cast<std::size_t>(chunk * (mla_latent + mla_rope))),
+        q(static_cast<std::size_t>(b * mla_heads * (mla_latent + mla_rope))),
+        out(static_cast<std::size_t>(b * mla_heads * mla_latent)),
+        batch(b),
+        length(n) {
+    attn_bench::fill_normal(rows, 9u);
+    attn_bench::fill_normal(q, 10u);
+    for (float& x : q)
+      x *= 0.05f;  // scores of a few units: a softmax neither flat nor one-hot
+    for (Index s = 0; s < b; ++s)
+      ids.push_back(cache.add_sequence());
+    for (Index t = 0; t < n; t += page) {  // 64 tokens of every sequence in turn
+      const Index count = std::min(page, n - t), first = t % chunk;
+      const auto part = [&](Index column, Index width) {
+        attn::HeadsView<const float> v =
+            attn::bhld_view(rows.data() + first * (mla_latent + mla_rope) + column, Index(1),
+                            Index(1), count, width);
+        v.row_stride = v.head_stride = mla_latent + mla_rope;
+        v.batch = b;
+        v.batch_stride = 0;  // every sequence takes the same rows
+        return v;
+      };
+      cache.append(ids, part(0, mla_latent), part(mla_latent, mla_rope));
+    }
+  }
+
+  attn::HeadsView<const float> queries() const {
+    return attn::bhld_view(q.data(), batch, mla_heads, Index(1), mla_latent + mla_rope);
+  }
+  attn::HeadsView<float> output() {
+    return attn::bhld_view(out.data(), batch, mla_heads, Index(1), mla_latent);
+  }
+  static attn::AttentionOptions<float> options() {
+    attn::AttentionOptions<float> o;
+    o.scale = 1.0f / std::sqrt(static_cast<float>(mla_nope + mla_rope));
+    return o;
+  }
+
+  /// Throws unless the cache equals attention over one contiguous buffer of the same rows
+  /// whose V is a view of K (bit for bit: pages of 64 cut the decode blocks alike).
+  void check() {
+    const Index row = mla_latent + mla_rope;
+    std::vector<S> k(static_cast<std::size_t>(batch * length * row));
+    for (Index s = 0; s < batch; ++s) {
+      for (Index t = 0; t < length; ++t) {
+        for (Index x = 0; x < row; ++x)
+          k[static_cast<std::size_t>((s * length + t) * row + x)] =
+              static_cast<S>(rows[static_cast<std::size_t>((t % chunk) * row + x)]);
+      }
+    }
+    const attn::HeadsView<const S> keys = attn::bhld_view(k.data(), batch, Index(1), length, row);
+    attn::HeadsView<const S> values = keys;
+    values.dim = mla_latent;
+    std::vector<float> expected(out.size());
+    attn::AttentionOptions<float> o = options();
+    o.algorithm = attn::Algorithm::decode;
+    attn::scaled_dot_product_attention_into<float, S>(
+        queries(), keys, values,
+        attn::bhld_view(expected.data(), batch, mla_heads, Index(1), mla_latent), o);
+    cache.attend_into(ids, queries(), output(), o);
+    if (expected != out)
+      throw std::runtime_error("bench_serving: the latent cache and the contiguous buffer differ");
+  }
+};
+
+void set_mla_counters(benchmark::State& state, Index batch, Index length, double element_bytes) {
+  const auto tokens = static_cast<double>(batch * length);
+  set_counters(state, tokens * (mla_latent + mla_rope) * element_bytes);
+  state.counters["FLOPS"] =
+      benchmark::Counter(2.0 * tokens * mla_heads * (2 * mla_latent + mla_rope),
+                         benchmark::Counter::kIsIterationInvariantRate);
+}
+
+template <class S>
+void BM_mla(benchmark::State& state) {
+  const Index batch = smoke() ? 2 : state.range(0), length = smoke() ? 300 : state.range(1);
+  set_threads(static_cast<int>(state.range(2)));
+  MlaDecoding<S> d(batch, length);
+  if (smoke())
+    d.check();
+  const attn::AttentionOptions<float> options = MlaDecoding<S>::options();
+  for (auto _ : state) {
+    d.cache.attend_into(d.ids, d.queries(), d.output(), options);
+    benchmark::ClobberMemory();
+  }
+  set_mla_counters(state, batch, length, sizeof(S));
+}
+
+void BM_mla_step(benchmark::State& state) {
+  const Index batch = smoke() ? 2 : state.range(0), length = smoke() ? 300 : state.range(1);
+  set_threads(static_cast<int>(state.range(2)));
+  MlaDecoding<float> d(batch, length);
+  const auto weights = [](Index heads, Index rows, Index cols, unsigned seed) {
+    std::vector<float> w(static_cast<std::size_t>(heads * rows * cols));
+    attn_bench::fill_normal(w, seed);
+    for (float& x : w)
+      x /= std::sqrt(static_cast<float>(rows));
+    return w;
+  };
+  const std::vector<float> w_uk = weights(mla_heads, mla_nope, mla_latent, 11u);
+  const std::vector<float> w_uv = weights(mla_heads, mla_latent, mla_value, 12u);
+  std::vector<float> q_nope(static_cast<std::size_t>(batch * mla_heads * mla_nope));
+  std::vector<float> q_rope(static_cast<std::size_t>(batch * mla_heads * mla_rope));
+  std::vector<float> out(static_cast<std::size_t>(batch * mla_heads * mla_value));
+  attn_bench::fill_normal(q_nope, 13u);
+  attn_bench::fill_normal(q_rope, 14u);
+  const auto heads = [&](std::vector<float>& x, Index width) {
+    return attn::bhld_view(x.data(), batch, mla_heads, Index(1), width);
+  };
+  const attn::AttentionOptions<float> options = MlaDecoding<float>::options();
+  for (auto _ : state) {
+    attn::mla_absorb_queries_into<float>(
+        heads(q_nope, mla_nope), heads(q_rope, mla_rope),
+        attn::TensorMap<const float, 3>(w_uk.data(), mla_heads, mla_nope, mla_latent),
+        heads(d.q, mla_latent + mla_rope));
+    d.cache.attend_into(d.ids, d.queries(), d.output(), options);
+    attn::mla_project_output_into<float>(
+        heads(d.out, mla_latent),
+        attn::TensorMap<const float, 3>(w_uv.data(), mla_heads, mla_latent, mla_value),
+        heads(out, mla_value));
+    benchmark::ClobberMemory();
+  }
+  set_mla_counters(state, batch, length, sizeof(float));
+}
+
+void register_mla() {
+  for (const auto& [name, function] :
+       {std::pair{"mla/float", &BM_mla<float>}, std::pair{"mla/half", &BM_mla<Eigen::half>},
+        std::pair{"mla_step", &BM_mla_step}}) {
+    auto* b = benchmark::RegisterBenchmark(name, function)
+                  ->ArgNames({"B", "N", "threads"})
+                  ->UseRealTime()
+                  ->Unit(benchmark::kMillisecond);
+    for (const int threads : {1, 2}) {
+      for (const Index batch : {1, 4}) {
+        for (const Index length : {4096, 32768})
+          b->Args({batch, length, threads});
+      }
+    }
+  }
+}
+
 void register_benchmarks() {
   attn_bench::register_fma_peak();
   benchmark::RegisterBenchmark("bandwidth", BM_bandwidth)
@@ -245,6 +417,7 @@ void register_benchmarks() {
       }
     }
   }
+  register_mla();
 }
 
 }  // namespace

@@ -37,7 +37,7 @@ from collections import defaultdict
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 PAGES = ["README.md", "docs/performance.md", "docs/quantized-cache.md", "docs/tiny_lm.md",
-         "docs/serving.md", "docs/precision.md"]
+         "docs/serving.md", "docs/precision.md", "docs/mla.md"]
 BEGIN = re.compile(r"^<!-- perf-table: ([\w-]+) -->$")
 END = "<!-- /perf-table -->"
 ISAS = ["generic", "avx2", "avx512"]
@@ -547,6 +547,69 @@ def table_bf16_compute():
                          f"({share(rate(fp32), fma)} of FMA) | {gflops(rate(widened))} | "
                          f"{gflops(rate(bf16))} | {share(rate(bf16), dot)} | "
                          f"{rate(bf16) / rate(fp32):.2f}x |")
+
+
+MLA_BYTES = {"float": 4, "half": 2}  # bytes a stored value
+MLA_FLOPS_PER_TOKEN = 2 * 16 * (2 * 512 + 64)  # 2 H (2 C + R): scores and P V
+MLA_VALUES_PER_TOKEN = 512 + 64  # C + R
+
+
+def table_mla():
+    _, b = bench("mla.json")
+    # The thread counts of the run: those with both probes (a run may have one thread only).
+    threads = [t for t in (1, 2) if f"bandwidth/threads:{t}" in b and f"fma_peak/threads:{t}" in b]
+    if not threads:
+        raise TableError("results/mla.json has no bandwidth and fma_peak probes of one run")
+    probes = {t: b[f"bandwidth/threads:{t}"]["bytes"] for t in threads}
+    fma = {t: rate(b[f"fma_peak/threads:{t}"]) for t in threads}
+    # The arithmetic's ceiling on bytes per second: the FMA probe over the FLOPs a byte.
+    ceiling = {f: fma[threads[0]] / (MLA_FLOPS_PER_TOKEN / (MLA_VALUES_PER_TOKEN * n))
+               / probes[threads[0]] for f, n in MLA_BYTES.items()}
+    named = ", ".join(f"{t} thread{'s' if t > 1 else ''}" for t in threads)
+    lines = source("mla.json", probes="K/V bytes a call reads per second as shares of the "
+                   "streaming probe `bandwidth` of the same run ("
+                   + ", ".join(f"{probes[t] / 2**30:.1f} GiB/s" for t in threads) + f": {named}), "
+                   "FLOP/s of the FMA probe `fma_peak` ("
+                   + ", ".join(f"{fma[t] / 1e9:.0f} GFLOP/s" for t in threads) + f": {named}); "
+                   f"at {MLA_FLOPS_PER_TOKEN} FLOPs a token, the FMA probe allows at most "
+                   f"{100 * ceiling['float']:.0f}% of the streaming probe in float and "
+                   f"{100 * ceiling['half']:.0f}% in half ({threads[0]} thread"
+                   f"{'s' if threads[0] > 1 else ''})")
+    lines += ["| H = 16, C = 512, R = 64, Lq = 1, pages of 64 | threads | time | K/V rate | "
+              "share of the streaming probe | GFLOP/s | share of the FMA probe |",
+              "|---|---|---|---|---|---|---|"]
+    for fmt in MLA_BYTES:
+        for t in threads:
+            for batch in (1, 4):
+                for n in (4096, 32768):
+                    key = f"mla/{fmt}/B:{batch}/N:{n}/threads:{t}"
+                    if key not in b:
+                        continue
+                    e = b[key]
+                    lines.append(f"| {fmt}, B = {batch}, N = {n} | {t} | {e['real_time']:.2f} ms | "
+                                 f"{e['KV_bytes'] / 2**30:.1f} GiB/s | "
+                                 f"{share(e['KV_bytes'], probes[t])} | {gflops(e['FLOPS'])} | "
+                                 f"{share(e['FLOPS'], fma[t])} |")
+    return lines
+
+
+def table_mla_step():
+    _, b = bench("mla.json")
+    lines = source("mla.json", probes="the medians of `mla/float` and `mla_step` of one run, "
+                   "no probe")
+    lines += ["| float, H = 16, P = 128, Dv = 128 | threads | attend | the whole step | "
+              "the projections' share |", "|---|---|---|---|---|"]
+    for t in (1, 2):
+        for batch in (1, 4):
+            for n in (4096, 32768):
+                key = f"B:{batch}/N:{n}/threads:{t}"
+                if f"mla_step/{key}" not in b or f"mla/float/{key}" not in b:
+                    continue
+                attend, step = b[f"mla/float/{key}"], b[f"mla_step/{key}"]
+                projections = step["real_time"] - attend["real_time"]
+                lines.append(f"| B = {batch}, N = {n} | {t} | {attend['real_time']:.2f} ms | "
+                             f"{step['real_time']:.2f} ms | "
+                             f"{share(projections, step['real_time'])} |")
     return lines
 
 
@@ -608,6 +671,8 @@ TABLES = {
     "serving": table_serving,
     "serving-paged": table_serving_paged,
     "bf16-compute": table_bf16_compute,
+    "mla": table_mla,
+    "mla-step": table_mla_step,
 }
 
 

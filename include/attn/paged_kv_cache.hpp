@@ -33,13 +33,11 @@
 #include <vector>
 
 #include "attn/cache/page_table.hpp"
+#include "attn/cache/paged_attend.hpp"
 #include "attn/cache/rows.hpp"
 #include "attn/config.hpp"
 #include "attn/kv_cache.hpp"
-#include "attn/mask.hpp"
 #include "attn/outputs.hpp"
-#include "attn/plan.hpp"
-#include "attn/precision.hpp"
 #include "attn/problem.hpp"
 #include "attn/rope.hpp"
 #include "attn/tensor.hpp"
@@ -250,11 +248,11 @@ class PagedKVCache {
     std::vector<Index> lengths = table_.lengths_of(sequences);
     for (std::size_t b = 0; b < added.size(); ++b)
       lengths[b] += added[b];
-    const PlannedCall call =
-        plan_call(function, sequences, lengths, q_heads, q_length, options, true);
+    const detail::PagedCall<C> call = detail::plan_paged_call(function, pools(), sequences, lengths,
+                                                              q_heads, q_length, options, true);
     const AttentionProblem<C> problem(function, batch, q_heads, q_length, call.max_length,
                                       call.options, call.plan.isa);
-    check_released(function, sequences, problem.mask(), q_length);
+    detail::check_released(function, table_, sequences, problem.mask(), q_length);
   }
 
  private:
@@ -327,183 +325,25 @@ class PagedKVCache {
     }
   }
 
-  /// A paged (B, Hkv, max length, units) view of the pool for `table` (B, max pages).
-  template <class X>
-  HeadsView<const X> paged_view(const X* pool, Index batch, Index length, Index units,
-                                const std::vector<Index>& table, Index max_pages) const {
-    HeadsView<const X> view{
-        pool, batch, kv_heads_, length, units, kv_heads_ * page_size() * units, page_size() * units,
-        units};
-    view.pages = table.data();
-    view.page_rows = page_size();
-    view.pages_stride = max_pages;
-    return view;
-  }
-
-  /// What an attend of q_length queries of q_heads heads (head dim D) per listed sequence,
-  /// whose lengths are `lengths`, gives the kernels: the options with the cache's mask, the
-  /// plan and the scale, after the checks of everything but the tensors. The problem is
-  /// built from `options` by the caller (it is not movable into a result).
-  struct PlannedCall {
-    AttentionOptions<C> options;
-    KernelPlan plan;
-    C scale = 0;
-    Index max_length = 0;
-  };
-
-  PlannedCall plan_call(const char* function, const std::vector<Index>& sequences,
-                        const std::vector<Index>& lengths, Index q_heads, Index q_length,
-                        const AttentionOptions<C>& options, bool causal) const {
-    if (options.causal != Causal::none || !options.key_lengths.empty() ||
-        !options.query_lengths.empty()) {
-      detail::throw_invalid_argument(
-          function, std::string("options.causal, options.key_lengths and options.query_lengths "
-                                "must be unset: the cache applies ") +
-                        (causal ? "the bottom-right causal mask and its own lengths"
-                                : "its own lengths (every query sees every cached token)"));
-    }
-    for (std::size_t b = 0; b < lengths.size() && causal; ++b) {
-      if (lengths[b] < q_length) {
-        detail::throw_invalid_argument(
-            function, "q is " +
-                          detail::shape_string(
-                              {static_cast<Index>(lengths.size()), q_heads, q_length, dim_}) +
-                          ": " + std::to_string(q_length) + " queries but sequence " +
-                          std::to_string(sequences[b]) + " holds only " +
-                          std::to_string(lengths[b]) + " tokens (append the new tokens first)");
-      }
-    }
-    if (options.algorithm != Algorithm::automatic && options.algorithm != Algorithm::decode &&
-        options.algorithm != Algorithm::flash) {
-      detail::throw_invalid_argument(
-          function, std::string("options.algorithm is ") + algorithm_name(options.algorithm) +
-                        ": a paged cache runs the decode or the flash kernel (automatic, decode "
-                        "or flash)");
-    }
-    PlannedCall call;
-    call.max_length = lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
-    AttentionOptions<C>& o = call.options;
-    o = options;
-    o.causal = causal ? Causal::bottom_right : Causal::none;
-    if (std::any_of(lengths.begin(), lengths.end(), [&](Index n) { return n != call.max_length; }))
-      o.key_lengths = lengths;
-    call.scale = detail::resolve_scale(function, o.scale, dim_);
-    const auto batch = static_cast<Index>(lengths.size());
-    AttentionShape shape{batch, q_heads, kv_heads_, q_length, call.max_length, dim_, value_dim_};
-    shape.kv_element_bytes = is_quantized_v<S> || is_quantized_v<SV> ? 1 : Index(sizeof(S));
-    shape.kv_quantized = is_quantized_v<S> || is_quantized_v<SV>;
-    shape.kv_paged = true;
-    shape.bf16_readable_kv = detail::bf16_readable_v<S> && detail::bf16_readable_v<SV>;
-    call.plan = plan_attention<C>(shape, o, false, function);
-    return call;
+  /// The pools as the paged attend reads them (cache/paged_attend.hpp).
+  detail::PagedPools<S, SV> pools() const {
+    detail::PagedPools<S, SV> p;
+    p.keys = keys_.data();
+    p.values = values_.data();
+    p.kv_heads = kv_heads_;
+    p.dim = dim_;
+    p.value_dim = value_dim_;
+    p.key_stride = key_units();
+    p.value_stride = value_units();
+    p.rotation = rotation_;
+    return p;
   }
 
   void attend_paged(const char* function, const std::vector<Index>& sequences,
                     const HeadsView<const C>& q,             // (B, Hq, Lq, D)
                     const AttentionOutputViews<C>& outputs,  // out (B, Hq, Lq, Dv), ...
                     const AttentionOptions<C>& options, bool causal) const {
-    table_.check_sequences(function, sequences, q.batch);
-    const Index batch = q.batch;
-    const std::vector<Index> lengths = table_.lengths_of(sequences);
-    const Index max_length =
-        lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
-    const Index max_pages = std::max(table_.pages_for(max_length), Index(1));
-    const std::vector<Index> table = table_.tables_of(sequences, max_pages);
-    const HeadsView<const S> keys =
-        paged_view(keys_.data(), batch, max_length, key_units(), table, max_pages);
-    const HeadsView<const SV> values =
-        paged_view(values_.data(), batch, max_length, value_units(), table, max_pages);
-    // KVCache's rules and wording, the cache's pages standing for k and v.
-    const HeadsView<C>& out = outputs.out;
-    detail::check_attention_packing(function, q, keys, values, outputs);
-    detail::check_attention_shapes(function, q, shape_of(keys, dim_), shape_of(values, value_dim_),
-                                   "k (cached)", "v (cached)");
-    detail::check_output_shape(function, q, value_dim_, out);
-    detail::check_output_aliasing(function, q, all_pages(keys), all_pages(values), out);
-    if (outputs.weights) {
-      detail::throw_invalid_argument(
-          function,
-          "weights are not available from a paged cache (its kernels, decode and "
-          "flash, never form them)");
-    }
-    detail::check_optional_outputs(function, q, all_pages(keys), all_pages(values), outputs);
-    const PlannedCall call =
-        plan_call(function, sequences, lengths, q.heads, q.length, options, causal);
-    const AttentionProblem<C> problem(function, q.batch, q.heads, q.length, max_length,
-                                      call.options, call.plan.isa);
-    check_released(function, sequences, problem.mask(), q.length);
-    if (q.length == 0)
-      return;
-    const detail::RowValues<C> logsumexp =
-        outputs.logsumexp ? detail::row_values(*outputs.logsumexp) : detail::RowValues<C>{};
-    const KernelPlan& plan = call.plan;
-    const C scale = call.scale;
-    if (rotation_ == KVRotation::none)
-      return run(plan, q, keys, values, out, problem, scale, logsumexp);
-    // The queries rotated like the keys; the output, rotated like the values, turned back.
-    std::vector<C> rotated(static_cast<std::size_t>(q.batch * q.heads * q.length * dim_));
-    const HeadsView<C> q_rotated = bhld_view(rotated.data(), q.batch, q.heads, q.length, dim_);
-    for (Index b = 0; b < q.batch; ++b) {
-      for (Index h = 0; h < q.heads; ++h) {
-        q_rotated.head(b, h) = q.head(b, h);
-        for (Index i = 0; i < q.length; ++i)
-          hadamard_rotate(q_rotated.head(b, h).row(i).data(), dim_);
-      }
-    }
-    run(plan, q_rotated, keys, values, out, problem, scale, logsumexp);
-    for (Index b = 0; b < out.batch; ++b) {
-      for (Index h = 0; h < out.heads; ++h) {
-        for (Index i = 0; i < out.length; ++i)
-          hadamard_rotate(out.head(b, h).row(i).data(), value_dim_);
-      }
-    }
-  }
-
-  static void run(const KernelPlan& plan, const HeadsView<const C>& q,
-                  const HeadsView<const S>& keys, const HeadsView<const SV>& values,
-                  const HeadsView<C>& out, const AttentionProblem<C>& problem, C scale,
-                  const detail::RowValues<C>& logsumexp) {
-    if (plan.algorithm == Algorithm::decode)
-      detail::decode_attention<C, S, SV>(plan, q, keys, values, out, problem, scale, logsumexp);
-    else
-      detail::run_flash(plan, q, keys, values, out, problem, scale, logsumexp);
-  }
-
-  /// Throws when a query of the call could see a token of a released page.
-  void check_released(const char* function, const std::vector<Index>& sequences, const Mask& mask,
-                      Index q_length) const {
-    for (std::size_t b = 0; b < sequences.size(); ++b) {
-      const auto [released_begin, released_end] = table_.released(sequences[b]);
-      if (released_begin == released_end)
-        continue;
-      for (Index i = 0; i < q_length; ++i) {
-        const Mask::KeyIntervals keys = mask.key_intervals(static_cast<Index>(b), i);
-        for (std::size_t n = 0; n < keys.count; ++n) {
-          const auto [first, last] = keys.interval[n];
-          if (first < released_end && last > released_begin) {
-            detail::throw_invalid_argument(
-                function, "sequence " + std::to_string(sequences[b]) + ": query " +
-                              std::to_string(i) + " would see keys [" + std::to_string(first) +
-                              ", " + std::to_string(last) + ") but tokens [" +
-                              std::to_string(released_begin) + ", " + std::to_string(released_end) +
-                              ") were released (release_outside_window): give the window "
-                              "and sink tokens that released them");
-          }
-        }
-      }
-    }
-  }
-
-  /// The whole pool as one unpaged view: what the overlap checks measure.
-  template <class X>
-  HeadsView<const X> all_pages(const HeadsView<const X>& paged) const {
-    return {paged.data, 1, 1, pages() * kv_heads_ * page_size(), paged.dim, 0, 0, paged.dim};
-  }
-
-  /// A view's shape with `dim` values per row and no data: what the shape checks measure.
-  template <class X>
-  static HeadsView<const C> shape_of(const HeadsView<const X>& x, Index dim) {
-    return {nullptr, x.batch, x.heads, x.length, dim, 0, 0, dim};
+    detail::attend_pages(function, table_, pools(), sequences, q, outputs, options, causal);
   }
 
   Index kv_heads_ = 0, dim_ = 0, value_dim_ = 0;

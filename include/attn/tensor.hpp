@@ -156,6 +156,29 @@ T* rows_after(const HeadsView<T>& x, Index b, Index h, Index row, Index count) {
   return reinterpret_cast<T*>(after);  // NOLINT(performance-no-int-to-ptr): never dereferenced
 }
 
+/// Whether every row of `inner` lies within the same row of `outer`: one memory, the same
+/// strides and pages, inner's columns among outer's (V as the first C columns of K in MLA's
+/// latent cache).
+template <class A, class B>
+bool rows_within(const HeadsView<A>& inner, const HeadsView<B>& outer) {
+  if constexpr (!std::is_same_v<std::remove_const_t<A>, std::remove_const_t<B>>) {
+    return false;
+  } else {
+    // Addresses, not pointers: the two need not point into one array.
+    const auto first = reinterpret_cast<std::uintptr_t>(inner.data);
+    const auto outer_first = reinterpret_cast<std::uintptr_t>(outer.data);
+    const auto bytes = [](Index units) {
+      return static_cast<std::uintptr_t>(units) * sizeof(std::remove_const_t<A>);
+    };
+    return inner.data != nullptr && first >= outer_first &&
+           first + bytes(inner.dim) <= outer_first + bytes(outer.dim) &&
+           inner.row_stride == outer.row_stride && inner.head_stride == outer.head_stride &&
+           inner.batch_stride == outer.batch_stride && inner.row_offsets == outer.row_offsets &&
+           inner.pages == outer.pages && inner.page_rows == outer.page_rows &&
+           inner.pages_stride == outer.pages_stride;
+  }
+}
+
 /// How many rows from `row` on lie in the same memory run as `row` (row_stride apart): the
 /// rest of its page in a paged view, else all the rest of the head.
 template <class T>

@@ -28,15 +28,18 @@ enum class KVRotation { none, hadamard };
 namespace detail {
 
 /// Rows [first, first + n) of head (b, h) of x (D values each, any floating type U) into
-/// `dst`, n contiguous rows stored as X: converted, rotated by the Hadamard matrix first
-/// when `rotation` says so (in compute type C, then rounded to X once), quantized when X is
-/// a block. What a cache stores when a token enters.
+/// `dst`, n rows `dst_stride` storage units apart (0: D / values_per_unit_v<X>, contiguous)
+/// stored as X: converted, rotated by the Hadamard matrix first when `rotation` says so (in
+/// compute type C, then rounded to X once), quantized when X is a block. What a cache stores
+/// when a token enters.
 template <class C, class U, class X>
 void store_cache_rows(const HeadsView<const U>& x,  // (B, H, L, D)
-                      Index b, Index h, Index first, Index n, KVRotation rotation, X* dst) {
+                      Index b, Index h, Index first, Index n, KVRotation rotation, X* dst,
+                      Index dst_stride = 0) {
   if (n <= 0)
     return;
   const Index dim = x.dim;
+  const Index stride = dst_stride > 0 ? dst_stride : dim / values_per_unit_v<X>;
   const auto value = [](U u) {
     if constexpr (is_16bit_scalar_v<U>)  // half <-> bfloat16 convert through float
       return static_cast<float>(u);
@@ -48,10 +51,10 @@ void store_cache_rows(const HeadsView<const U>& x,  // (B, H, L, D)
       for (Index r = 0; r < n; ++r) {
         const U* src = row_data(x, b, h, first + r);
         if constexpr (std::is_same_v<U, X>)
-          std::copy(src, src + dim, dst + r * dim);
+          std::copy(src, src + dim, dst + r * stride);
         else
           for (Index d = 0; d < dim; ++d)
-            dst[r * dim + d] = static_cast<X>(value(src[d]));
+            dst[r * stride + d] = static_cast<X>(value(src[d]));
       }
       return;
     }
@@ -67,10 +70,30 @@ void store_cache_rows(const HeadsView<const U>& x,  // (B, H, L, D)
       hadamard_rotate(row.data(), dim);
     if constexpr (is_quantized_v<X>) {
       std::copy(row.begin(), row.end(), narrow.begin());
-      quantize_blocks(narrow.data(), dim, dst + r * (dim / quantized_block_values));
+      quantize_blocks(narrow.data(), dim, dst + r * stride);
     } else {
       for (Index d = 0; d < dim; ++d)
-        dst[r * dim + d] = static_cast<X>(row[static_cast<std::size_t>(d)]);
+        dst[r * stride + d] = static_cast<X>(row[static_cast<std::size_t>(d)]);
+    }
+  }
+}
+
+/// Throws unless `counts` is empty or has B entries in [0, Lnew]: how many of the Lnew new
+/// rows of each sequence an append stores.
+inline void check_counts(const char* function, const std::vector<Index>& counts, Index batch,
+                         Index new_rows) {
+  if (counts.empty())
+    return;
+  if (static_cast<Index>(counts.size()) != batch) {
+    detail::throw_invalid_argument(function, "counts has " + std::to_string(counts.size()) +
+                                                 " entries but the batch size is " +
+                                                 std::to_string(batch));
+  }
+  for (std::size_t b = 0; b < counts.size(); ++b) {
+    if (counts[b] < 0 || counts[b] > new_rows) {
+      detail::throw_invalid_argument(
+          function, "counts[" + std::to_string(b) + "] is " + std::to_string(counts[b]) +
+                        ": must lie in [0, Lnew] with Lnew = " + std::to_string(new_rows));
     }
   }
 }
@@ -96,20 +119,7 @@ void check_new_rows(const char* function, const HeadsView<const U>& keys,
     detail::throw_invalid_argument(function, shapes() + ": head dims differ");
   if (keys.length != values.length)
     detail::throw_invalid_argument(function, shapes() + ": keys and values lengths differ");
-  if (!counts.empty()) {
-    if (static_cast<Index>(counts.size()) != batch) {
-      detail::throw_invalid_argument(function, "counts has " + std::to_string(counts.size()) +
-                                                   " entries but the batch size is " +
-                                                   std::to_string(batch));
-    }
-    for (std::size_t b = 0; b < counts.size(); ++b) {
-      if (counts[b] < 0 || counts[b] > keys.length) {
-        detail::throw_invalid_argument(
-            function, "counts[" + std::to_string(b) + "] is " + std::to_string(counts[b]) +
-                          ": must lie in [0, Lnew] with Lnew = " + std::to_string(keys.length));
-      }
-    }
-  }
+  check_counts(function, counts, batch, keys.length);
 }
 
 /// New keys turned by a rotary embedding, packed: sequence b's counts[b] rows start at

@@ -329,6 +329,8 @@ void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
   T* s = workspace.s.data();
   const Index s_stride = workspace.s.cols();
   T* alpha = workspace.alpha.data();
+  // V read from K's rows (MLA's latent cache): the keys' prefetches have requested them.
+  const bool values_in_keys = rows_within(v, k);
   bool first_block = true;
   for (Index c0 = lo, c1 = lo; c0 < hi; c0 = c1) {  // pass 2
     // Blocks end at multiples of key_block and at page ends (a paged cache): a cache in
@@ -364,7 +366,7 @@ void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
     if constexpr (widens_in_registers || std::is_same_v<SV, T>) {
       weighted_sum(s, s_stride, rows, v_rows, v.row_stride, cols, value_dim,
                    first_block ? nullptr : alpha, acc, value_dim,
-                   rows_after(v, b, kv_head, c0, cols));
+                   values_in_keys ? nullptr : rows_after(v, b, kv_head, c0, cols));
     } else {
       widen_rows(v_rows, v.row_stride, cols, value_dim, workspace.v.data());
       weighted_sum(s, s_stride, rows, workspace.v.data(), value_dim, cols, value_dim,
