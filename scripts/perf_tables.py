@@ -547,6 +547,7 @@ def table_bf16_compute():
                          f"({share(rate(fp32), fma)} of FMA) | {gflops(rate(widened))} | "
                          f"{gflops(rate(bf16))} | {share(rate(bf16), dot)} | "
                          f"{rate(bf16) / rate(fp32):.2f}x |")
+    return lines
 
 
 MLA_BYTES = {"float": 4, "half": 2}  # bytes a stored value
