@@ -854,6 +854,19 @@ TEST_CASE("latent cache: (C + R) values stored per token, no copy of V", "[mla]"
   CHECK(attn::LatentCache<Eigen::bfloat16>::bytes_per_token(512, 64) == values * 2);
   CHECK(attn::LatentCache<attn::BlockQ8_0>::bytes_per_token(512, 64) == blocks * 34);
   CHECK(attn::LatentCache<attn::BlockQ4_0>::bytes_per_token(512, 64) == blocks * 18);
+  // What the constructor refuses, bytes_per_token refuses too, by name.
+  using Catch::Matchers::Contains;
+  CHECK_THROWS_WITH(attn::LatentCache<float>::bytes_per_token(0, 64),
+                    Contains("LatentCache::bytes_per_token") && Contains("[0, 64]"));
+  CHECK_THROWS_WITH(attn::LatentCache<float>::bytes_per_token(512, -1),
+                    Contains("LatentCache::bytes_per_token") && Contains("R >= 0"));
+  CHECK_THROWS_WITH(attn::LatentCache<attn::BlockQ8_0>::bytes_per_token(500, 64),
+                    Contains("LatentCache::bytes_per_token") && Contains("multiples of 32"));
+  CHECK_THROWS_WITH(attn::LatentCache<attn::BlockQ4_0>::bytes_per_token(512, 48),
+                    Contains("multiples of 32"));
+  CHECK_THROWS_WITH(attn::LatentCache<attn::BlockQ4_0>(512, 48, 64),
+                    Contains("LatentCache") && Contains("multiples of 32"));
+  CHECK(attn::LatentCache<float>::bytes_per_token(500, 48) == 548 * 4);  // any C, R unquantized
   // The pool grows by whole pages of P tokens: 1000 tokens in pages of 64 take 16 pages.
   std::mt19937 rng(3210);
   attn::LatentCache<Eigen::half> cache(512, 64, 64, 16, false);

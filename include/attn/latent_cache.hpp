@@ -88,12 +88,7 @@ class LatentCache {
                         std::to_string(page_size) + " and pages " + std::to_string(pages) +
                         ": C and the page size must be positive, R and pages >= 0");
     }
-    if (is_quantized_v<S> &&
-        (latent_dim % quantized_block_values != 0 || rope_dim % quantized_block_values != 0)) {
-      detail::throw_invalid_argument(
-          function, "(C, R) is " + detail::shape_string({latent_dim, rope_dim}) +
-                        ": a quantized format needs multiples of 32 (its block size)");
-    }
+    check_dims(function, latent_dim, rope_dim);
     grow_pool(pages);
   }
 
@@ -107,8 +102,10 @@ class LatentCache {
   Index value_dim() const { return latent_dim_; }
   Index page_size() const { return table_.page_size(); }
   bool allow_growth() const { return allow_growth_; }
-  /// Bytes stored per token: C + R values, or (C + R) / 32 blocks.
+  /// Bytes stored per token: C + R values, or (C + R) / 32 blocks. Throws for the (C, R) the
+  /// constructor refuses.
   static Index bytes_per_token(Index latent_dim, Index rope_dim) {
+    check_dims("LatentCache::bytes_per_token", latent_dim, rope_dim);
     return (latent_dim + rope_dim) / values_per_unit_v<S> * Index(sizeof(S));
   }
   Index bytes_per_token() const { return bytes_per_token(latent_dim_, rope_dim_); }
@@ -238,6 +235,21 @@ class LatentCache {
   }
 
  private:
+  /// C positive, R >= 0, both multiples of 32 (the block size) for a quantized format.
+  static void check_dims(const char* function, Index latent_dim, Index rope_dim) {
+    if (latent_dim < 1 || rope_dim < 0) {
+      detail::throw_invalid_argument(function, "(C, R) is " +
+                                                   detail::shape_string({latent_dim, rope_dim}) +
+                                                   ": C must be positive and R >= 0");
+    }
+    if (is_quantized_v<S> &&
+        (latent_dim % quantized_block_values != 0 || rope_dim % quantized_block_values != 0)) {
+      detail::throw_invalid_argument(
+          function, "(C, R) is " + detail::shape_string({latent_dim, rope_dim}) +
+                        ": a quantized format needs multiples of 32 (its block size)");
+    }
+  }
+
   using C = compute_type;
 
   /// Storage units per row ([c ; k_rope]) and of its latent part.
