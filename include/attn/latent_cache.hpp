@@ -44,6 +44,7 @@
 
 #include "attn/cache/page_table.hpp"
 #include "attn/cache/paged_attend.hpp"
+#include "attn/cache/paged_sequences.hpp"
 #include "attn/cache/rows.hpp"
 #include "attn/config.hpp"
 #include "attn/outputs.hpp"
@@ -58,7 +59,7 @@ namespace attn {
 /// as S in pages of `page_size` tokens; the keys are the rows [c ; k_rope], the values their
 /// first C columns.
 template <class S>
-class LatentCache {
+class LatentCache : public detail::PagedSequences {
   static_assert(std::is_same_v<S, float> || std::is_same_v<S, double> || is_16bit_scalar_v<S> ||
                     is_quantized_v<S>,
                 "LatentCache: S must be float, double, Eigen::half, Eigen::bfloat16, "
@@ -68,8 +69,6 @@ class LatentCache {
   using storage_type = S;
   /// The type of queries, outputs and accumulation: double for a double cache, else float.
   using compute_type = std::conditional_t<std::is_same_v<S, double>, double, float>;
-  /// The block table's entry for a page given back by release_outside_window.
-  static constexpr Index released_page = PageTable::released_page;
 
   LatentCache() = default;
   /// An empty cache: no sequence, a pool of `pages` free pages of `page_size` tokens, each
@@ -77,10 +76,10 @@ class LatentCache {
   /// growing (at least doubling) when an append needs more pages unless allow_growth is off.
   LatentCache(Index latent_dim, Index rope_dim, Index page_size, Index pages = 0,
               bool allow_growth = true)
-      : latent_dim_(latent_dim),
+      : detail::PagedSequences(page_size, "LatentCache"),
+        latent_dim_(latent_dim),
         rope_dim_(rope_dim),
-        allow_growth_(allow_growth),
-        table_(page_size, "LatentCache") {
+        allow_growth_(allow_growth) {
     constexpr const char* function = "LatentCache";
     if (latent_dim < 1 || rope_dim < 0 || page_size < 1 || pages < 0) {
       detail::throw_invalid_argument(
@@ -100,7 +99,6 @@ class LatentCache {
   Index dim() const { return latent_dim_ + rope_dim_; }
   /// C, the value dim of attend (the output's dim).
   Index value_dim() const { return latent_dim_; }
-  Index page_size() const { return table_.page_size(); }
   bool allow_growth() const { return allow_growth_; }
   /// Bytes stored per token: C + R values, or (C + R) / 32 blocks. Throws for the (C, R) the
   /// constructor refuses.
@@ -109,36 +107,6 @@ class LatentCache {
     return (latent_dim + rope_dim) / values_per_unit_v<S> * Index(sizeof(S));
   }
   Index bytes_per_token() const { return bytes_per_token(latent_dim_, rope_dim_); }
-  /// The sequences, their block tables and the pages' reference counts.
-  const PageTable& page_table() const { return table_; }
-  /// Pages in the pool, and of them those no sequence holds.
-  Index pages() const { return table_.pages(); }
-  Index free_pages() const { return table_.free_pages(); }
-  /// How many sequences hold pool page `page` (0: free).
-  Index references(Index page) const { return table_.references(page); }
-  /// Whether `sequence` is a live id.
-  bool contains(Index sequence) const { return table_.contains(sequence); }
-  /// The live ids, ascending.
-  std::vector<Index> sequences() const { return table_.sequences(); }
-  /// Tokens held by `sequence`.
-  Index length(Index sequence) const { return table_.length(sequence); }
-  /// The pool page of each page_size tokens of `sequence` (released_page where given back).
-  const std::vector<Index>& block_table(Index sequence) const {
-    return table_.block_table(sequence);
-  }
-
-  /// A new empty sequence; returns its id (the smallest id not in use).
-  Index add_sequence() { return table_.add_sequence(); }
-  /// A new sequence sharing every page of `sequence` (copy-on-write); returns its id.
-  Index fork(Index sequence) { return table_.fork(sequence); }
-  /// Keeps the first `length` tokens of `sequence` (0 <= length <= its length).
-  void truncate(Index sequence, Index length) { table_.truncate(sequence, length); }
-  /// Removes `sequence`, giving back its pages; its id may be reused.
-  void remove(Index sequence) { table_.remove(sequence); }
-  /// PagedKVCache::release_outside_window: a sliding-window ring of pages.
-  void release_outside_window(Index sequence, Index window_left, Index sink_tokens = 0) {
-    table_.release_outside_window(sequence, window_left, sink_tokens);
-  }
   /// Makes the pool hold at least `pages` pages (never shrinks); allowed when allow_growth
   /// is off.
   void reserve(Index pages) {
@@ -359,7 +327,7 @@ class LatentCache {
 
   Index latent_dim_ = 0, rope_dim_ = 0;
   bool allow_growth_ = true;
-  PageTable table_;      // the sequences, their block tables, the pages' reference counts
+  // the sequences, their block tables, the pages' reference counts
   std::vector<S> pool_;  // (pages, P, (C + R) / values_per_unit_v<S>)
 };
 

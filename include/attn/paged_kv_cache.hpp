@@ -34,6 +34,7 @@
 
 #include "attn/cache/page_table.hpp"
 #include "attn/cache/paged_attend.hpp"
+#include "attn/cache/paged_sequences.hpp"
 #include "attn/cache/rows.hpp"
 #include "attn/config.hpp"
 #include "attn/kv_cache.hpp"
@@ -47,27 +48,25 @@ namespace attn {
 /// Key/value cache of sequences held in pages of `page_size` tokens from one pool, Hkv
 /// heads, head dims D (keys, stored as S) and Dv (values, stored as SV).
 template <class S, class SV = S>
-class PagedKVCache {
+class PagedKVCache : public detail::PagedSequences {
  public:
   using key_storage = S;
   using value_storage = SV;
   /// The type of queries, outputs and accumulation (KVCache's rule; naming KVCache<S, SV>
   /// also runs its checks of the formats).
   using compute_type = typename KVCache<S, SV>::compute_type;
-  /// The block table's entry for a page given back by release_outside_window.
-  static constexpr Index released_page = PageTable::released_page;
 
   PagedKVCache() = default;
   /// An empty cache: no sequence, a pool of `pages` free pages of `page_size` tokens, growing
   /// (at least doubling) when an append needs more unless allow_growth is off.
   PagedKVCache(Index kv_heads, Index dim, Index value_dim, Index page_size, Index pages = 0,
                bool allow_growth = true, KVRotation rotation = KVRotation::none)
-      : kv_heads_(kv_heads),
+      : detail::PagedSequences(page_size, "PagedKVCache"),
+        kv_heads_(kv_heads),
         dim_(dim),
         value_dim_(value_dim),
         allow_growth_(allow_growth),
-        rotation_(rotation),
-        table_(page_size, "PagedKVCache") {
+        rotation_(rotation) {
     constexpr const char* function = "PagedKVCache";
     if (kv_heads < 1 || dim < 1 || value_dim < 1 || page_size < 1 || pages < 0) {
       detail::throw_invalid_argument(
@@ -97,50 +96,8 @@ class PagedKVCache {
   Index kv_heads() const { return kv_heads_; }
   Index dim() const { return dim_; }
   Index value_dim() const { return value_dim_; }
-  Index page_size() const { return table_.page_size(); }
   bool allow_growth() const { return allow_growth_; }
   KVRotation rotation() const { return rotation_; }
-  /// The sequences, their block tables and the pages' reference counts.
-  const PageTable& page_table() const { return table_; }
-  /// Pages in the pool, and of them those no sequence holds.
-  Index pages() const { return table_.pages(); }
-  Index free_pages() const { return table_.free_pages(); }
-  /// How many sequences hold pool page `page` (0: free).
-  Index references(Index page) const { return table_.references(page); }
-  /// Whether `sequence` is a live id.
-  bool contains(Index sequence) const { return table_.contains(sequence); }
-  /// The live ids, ascending.
-  std::vector<Index> sequences() const { return table_.sequences(); }
-  /// Tokens held by `sequence`.
-  Index length(Index sequence) const { return table_.length(sequence); }
-  /// The pool page of each page_size tokens of `sequence` (released_page where given back).
-  const std::vector<Index>& block_table(Index sequence) const {
-    return table_.block_table(sequence);
-  }
-
-  /// A new empty sequence; returns its id (the smallest id not in use).
-  Index add_sequence() { return table_.add_sequence(); }
-
-  /// A new sequence holding the same tokens as `sequence`, sharing its pages (prefix caching,
-  /// beam search, n > 1 sampling): no row is copied until one of them writes into a shared
-  /// page. Returns the new id.
-  Index fork(Index sequence) { return table_.fork(sequence); }
-
-  /// Keeps the first `length` tokens of `sequence` (0 <= length <= its length), giving
-  /// back the pages past them.
-  void truncate(Index sequence, Index length) { table_.truncate(sequence, length); }
-
-  /// Removes `sequence`, giving back its pages; its id may be reused.
-  void remove(Index sequence) { table_.remove(sequence); }
-
-  /// Gives back the pages of `sequence` that a sliding window of `window_left` keys left of
-  /// the diagonal hides from every query at or after its next position (length): pages whose
-  /// every token is before length - window_left, except those holding the first
-  /// `sink_tokens` tokens (StreamingLLM's sinks stay). Later attend calls must hide them too
-  /// (a window at most as wide and at most these sink tokens), or they throw.
-  void release_outside_window(Index sequence, Index window_left, Index sink_tokens = 0) {
-    table_.release_outside_window(sequence, window_left, sink_tokens);
-  }
 
   /// Makes the pool hold at least `pages` pages (never shrinks); allowed when allow_growth
   /// is off. Views into the pool are invalidated when it grows.
@@ -349,7 +306,7 @@ class PagedKVCache {
   Index kv_heads_ = 0, dim_ = 0, value_dim_ = 0;
   bool allow_growth_ = true;
   KVRotation rotation_ = KVRotation::none;
-  PageTable table_;         // the sequences, their block tables, the pages' reference counts
+  // the sequences, their block tables, the pages' reference counts
   std::vector<S> keys_;     // (pages, Hkv, P, D / values_per_unit_v<S>)
   std::vector<SV> values_;  // (pages, Hkv, P, Dv / values_per_unit_v<SV>)
 };
