@@ -18,6 +18,8 @@
 //   decode_formats         the decode kernel with K and V stored as float, half, q8_0 or q4_0
 //                          (format 0..3), Lk = 4096 and 32768, D = 128, Hq = Hkv = 8 and GQA
 //                          32/8, one and two threads
+//   decode_formats_int8    the same for q8_0 and q4_0 with decode's scores on int8 products
+//                          (ComputePrecision::int8), where the CPU has them (avx512_vnni)
 //   fma_peak               the FMA probe (common.hpp), for prefill_formats
 //   prefill_formats        Lq = 1 .. 256 new queries against a KVCache of 4096 tokens of each
 //                          format through attend_into, decode against flash: the quantized
@@ -195,9 +197,11 @@ struct StoredKV {
 };
 
 /// One decode call of Lq = 1 against Lk keys with K and V stored as `format` (arg 6: 0 float,
-/// 1 half, 2 q8_0, 3 q4_0), the decode kernel called directly for each; validated against
-/// naive on the values the format reads back. "KV_bytes" counts the stored bytes.
-void BM_decode_format(benchmark::State& state) {
+/// 1 half, 2 q8_0, 3 q4_0), the decode kernel called directly for each, its scores on int8
+/// products if `int8` (where the CPU has them: ComputePrecision::int8); validated against
+/// naive on the values the format reads back (within 1e-4; 5e-3 with int8 products, which
+/// quantize the query). "KV_bytes" counts the stored bytes.
+void decode_format(benchmark::State& state, bool int8) {
   const Index k_length = state.range(0), q_heads = state.range(1), kv_heads = state.range(2),
               dim = state.range(3);
   const int threads = static_cast<int>(state.range(4));
@@ -215,8 +219,17 @@ void BM_decode_format(benchmark::State& state) {
   options.causal = attn::Causal::bottom_right;
   const attn::AttentionProblem<float> problem("bench_decode", 1, q_heads, 1, k_length, options);
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
-  const attn::KernelPlan plan = attn::plan_attention<float>(
-      {1, q_heads, kv_heads, 1, k_length, dim, dim}, attn::Algorithm::decode, 0, 0, false);
+  attn::AttentionShape shape{1, q_heads, kv_heads, 1, k_length, dim, dim};
+  shape.kv_quantized = format == Format::q8_0 || format == Format::q4_0;
+  shape.k_int8_readable = shape.kv_quantized;
+  attn::AttentionOptions<float> decode;
+  decode.algorithm = attn::Algorithm::decode;
+  decode.compute = int8 ? attn::ComputePrecision::int8 : attn::ComputePrecision::fp32;
+  const attn::KernelPlan plan = attn::plan_attention<float>(shape, decode);
+  if (int8 && !plan.int8_products) {
+    state.SkipWithError("no int8 products on this CPU");
+    return;
+  }
   const auto out_view = attn::bhld_view(out.data(), Index(1), q_heads, 1, dim);
   const auto run = [&] {
     const auto call = [&](const auto& kk, const auto& vv, Index units) {
@@ -246,7 +259,7 @@ void BM_decode_format(benchmark::State& state) {
       attn::bhld_view(reference.data(), Index(1), q_heads, 1, dim), options);
   run();
   const float worst = attn_bench::max_abs_diff(out.data(), reference.data(), out.size());
-  if (!(worst < 1e-4f)) {
+  if (!(worst < (int8 ? 5e-3f : 1e-4f))) {
     state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
     return;
   }
@@ -262,6 +275,13 @@ void BM_decode_format(benchmark::State& state) {
   state.counters["FLOPS"] = benchmark::Counter(4.0 * static_cast<double>(q_heads * k_length * dim),
                                                benchmark::Counter::kIsIterationInvariantRate);
   set_threads(1);
+}
+
+void BM_decode_format(benchmark::State& state) {
+  decode_format(state, false);
+}
+void BM_decode_format_int8(benchmark::State& state) {
+  decode_format(state, true);
 }
 
 /// Lq new queries (the cache's last Lq tokens) against a KVCache<S> of Lk tokens through the
@@ -378,6 +398,20 @@ void register_all() {
                      {0, 1, 2, 3}})
       ->UseRealTime()
       ->Unit(benchmark::kMicrosecond);
+  // The quantized ones again with decode's scores on int8 products (ComputePrecision::int8).
+  if (attn::isa_supported(attn::Isa::avx512_vnni)) {
+    benchmark::RegisterBenchmark("decode_formats_int8", BM_decode_format_int8)
+        ->ArgNames({"Lk", "Hq", "Hkv", "D", "threads", "format"})
+        ->ArgsProduct(
+            {tiny ? std::vector<std::int64_t>{512} : std::vector<std::int64_t>{4096, 32768},
+             {8, 32},
+             {8},
+             {128},
+             {1, 2},
+             {2, 3}})
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+  }
   attn_bench::register_fma_peak();  // the arithmetic ceiling prefill_formats is quoted against
   // Chunks of prompt against a cache of every format: decode against flash, by Lq.
   benchmark::RegisterBenchmark("prefill_formats", BM_prefill_format)

@@ -315,16 +315,17 @@ GGML_TYPES = {"half": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 def decode_formats_data():
     """(probes {threads: bytes/s}, attn {(Lk, Hq, threads, format): KV bytes/s},
-    ggml {(Lk, Hq, threads, format): KV bytes/s})."""
+    ggml {(Lk, Hq, threads, format): KV bytes/s}); the formats of decode_formats_int8 (scores
+    on int8 products) are "q8_0 int8" and "q4_0 int8"."""
     _, b = bench("decode_formats.json")
     probes = {t: b[f"bandwidth/threads:{t}"]["bytes"] for t in (1, 2)}
     attn = {}
     for name, e in b.items():
-        m = re.match(r"decode_formats/Lk:(\d+)/Hq:(\d+)/Hkv:8/D:128/threads:(\d)/format:(\d)$",
-                     name)
+        m = re.match(r"decode_formats(_int8)?/Lk:(\d+)/Hq:(\d+)/Hkv:8/D:128/threads:(\d)/"
+                     r"format:(\d)$", name)
         if m:
-            attn[(int(m.group(1)), int(m.group(2)), int(m.group(3)),
-                  FORMATS[int(m.group(4))])] = e["KV_bytes"]
+            fmt = FORMATS[int(m.group(5))] + (" int8" if m.group(1) else "")
+            attn[(int(m.group(2)), int(m.group(3)), int(m.group(4)), fmt)] = e["KV_bytes"]
     _, g = bench("ggml_decode.json")
     ggml = {}
     for name, e in g.items():
@@ -337,27 +338,39 @@ def decode_formats_data():
 
 def table_decode_formats():
     probes, attn, ggml = decode_formats_data()
+    int8 = any(k[3].endswith(" int8") for k in attn)
     lines = source("decode_formats.json", "ggml_decode.json",
                    probes="K/V bytes a call must read per second (stored bytes: 4, 2, 1.0625 and "
                    "0.5625 per value), as shares of the streaming probe `bandwidth` of the same "
-                   f"run ({probes[1] / 2**30:.1f} GiB/s one thread, {probes[2] / 2**30:.1f} two); "
-                   "against ggml, the speed ratio (its time over attn's) for the same format")
-    lines += ["| D = 128, Lq = 1 | threads | float | half | q8_0 | q4_0 | q8_0 over half | "
-              "vs ggml: half | q8_0 | q4_0 |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    stored = {"float": 4.0, "half": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+                   f"run ({probes[1] / 2**30:.1f} GiB/s one thread, {probes[2] / 2**30:.1f} two)"
+                   + ("; \"int8\": the scores on int8 products (ComputePrecision::int8)"
+                      if int8 else "")
+                   + "; against ggml, the speed ratio (its time over attn's) for the same format"
+                   + (" (ggml quantizes the query to int8 for q8_0 and q4_0 keys: compared "
+                      "with attn's int8 products)" if int8 else ""))
+    formats = FORMATS + (["q8_0 int8", "q4_0 int8"] if int8 else [])
+    quantized = ["q8_0 int8", "q4_0 int8"] if int8 else ["q8_0", "q4_0"]
+    best_q8 = "q8_0 int8" if int8 else "q8_0"
+    lines += ["| D = 128, Lq = 1 | threads | " + " | ".join(formats)
+              + f" | {best_q8} over half | vs ggml: half | q8_0 | q4_0 |",
+              "|---" * (len(formats) + 6) + "|"]
+    stored = {"float": 4.0, "half": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32,
+              "q8_0 int8": 34 / 32, "q4_0 int8": 18 / 32}
     for lk in sorted({k[0] for k in attn}):
         for hq in (8, 32):
             for t in (1, 2):
                 if (lk, hq, t, "float") not in attn:
                     continue
                 heads = "Hq = Hkv = 8" if hq == 8 else "GQA 32/8"
-                cells = [share(attn[(lk, hq, t, f)], probes[t]) for f in FORMATS]
-                versus = [f"{attn[(lk, hq, t, f)] / ggml[(lk, hq, t, f)]:.1f}x"
-                          if (lk, hq, t, f) in ggml else "" for f in ("half", "q8_0", "q4_0")]
+                cells = [share(attn[(lk, hq, t, f)], probes[t]) if (lk, hq, t, f) in attn else ""
+                         for f in formats]
+                versus = []
+                for f, ours in zip(("half", "q8_0", "q4_0"), ["half"] + quantized):
+                    versus.append(f"{attn[(lk, hq, t, ours)] / ggml[(lk, hq, t, f)]:.1f}x"
+                                  if (lk, hq, t, f) in ggml and (lk, hq, t, ours) in attn else "")
                 # the time of a call with a half cache over one with a q8_0 cache
                 speedup = (stored["half"] / attn[(lk, hq, t, "half")]) / (
-                    stored["q8_0"] / attn[(lk, hq, t, "q8_0")])
+                    stored[best_q8] / attn[(lk, hq, t, best_q8)])
                 lines.append(f"| Lk = {lk}, {heads} | {t} | " + " | ".join(cells)
                              + f" | {speedup:.2f}x | " + " | ".join(versus) + " |")
     return lines

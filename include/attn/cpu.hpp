@@ -4,18 +4,21 @@
 // Every build of attn on x86-64 with GCC or Clang contains three versions of the float
 // kernels, whatever -march the user compiles with: `generic` (Eigen's products and
 // Eigen's vectorised exp, compiled for the translation unit's own flags), `avx2` (AVX2 +
-// FMA + F16C) and `avx512` (AVX-512F); and a fourth level, `avx512_bf16`, which runs the
-// avx512 kernels and adds products on bf16 dot products (AVX512-BF16, with BW, VL and VNNI)
-// for the calls that ask for bf16 compute (attn/options.hpp, ComputePrecision). The vector
+// FMA + F16C) and `avx512` (AVX-512F); and two levels above it that run the avx512 kernels
+// and add low-precision products for the calls that ask for them (attn/options.hpp,
+// ComputePrecision): `avx512_vnni` (AVX512-VNNI, with BW and VL: int8 dot products, the keys
+// of a q8_0 or q4_0 cache read as int8 by decode) and `avx512_bf16` (AVX512-BF16 as well:
+// bf16 dot products in flash, and everything avx512_vnni has). The vector
 // levels are compiled with function target attributes (kernels/simd/target.hpp), so a plain
 // `-O2` build runs AVX-512 code on a CPU that has it. The CPU is asked once (cpuid and the
 // OS's saved-register mask, xgetbv) and the choice is cached.
 //
 // Which instruction set runs:
 //   1. set_isa(isa), if called (a ScopedIsa restores the previous choice);
-//   2. else the environment variable ATTN_ISA=generic|avx2|avx512|avx512_bf16, read once;
+//   2. else the environment variable ATTN_ISA=generic|avx2|avx512|avx512_vnni|avx512_bf16,
+//      read once;
 //   3. else best_isa(): the highest level the CPU has (AVX-512 where it is faster; with
-//      BF16 dot products where the CPU has them), else AVX2, else generic.
+//      int8 and bf16 dot products where the CPU has them), else AVX2, else generic.
 // Asking for an instruction set the CPU lacks (or that this build does not contain) throws
 // std::invalid_argument. double always runs the generic kernels.
 //
@@ -53,10 +56,12 @@ enum class Isa : std::uint8_t {
   generic,  ///< Eigen's products, for the translation unit's own -march (any CPU, float and double)
   avx2,     ///< AVX2 + FMA + F16C, 8 floats per vector
   avx512,   ///< AVX-512F, 16 floats per vector
-  avx512_bf16,  ///< avx512, plus bf16 dot products (AVX512-BF16, with BW, VL and VNNI)
+  avx512_vnni,  ///< avx512, plus int8 dot products (AVX512-VNNI, with BW and VL)
+  avx512_bf16,  ///< avx512_vnni, plus bf16 dot products (AVX512-BF16)
 };
 
-inline constexpr Isa all_isas[] = {Isa::generic, Isa::avx2, Isa::avx512, Isa::avx512_bf16};
+inline constexpr Isa all_isas[] = {Isa::generic, Isa::avx2, Isa::avx512, Isa::avx512_vnni,
+                                   Isa::avx512_bf16};
 
 inline const char* isa_name(Isa isa) {
   switch (isa) {
@@ -66,24 +71,32 @@ inline const char* isa_name(Isa isa) {
       return "avx2";
     case Isa::avx512:
       return "avx512";
+    case Isa::avx512_vnni:
+      return "avx512_vnni";
     case Isa::avx512_bf16:
       return "avx512_bf16";
   }
   return "unknown";
 }
 
-/// The level whose float kernels `isa` runs: avx512_bf16 runs avx512's, adding only the
-/// bf16 products of calls that ask for bf16 compute (so that a float call gives the same
-/// bits on both).
+/// The level whose float kernels `isa` runs: avx512_vnni and avx512_bf16 run avx512's, adding
+/// only the int8 or bf16 products of calls that ask for them (so that a float call gives the
+/// same bits on all three).
 constexpr Isa float_kernels_isa(Isa isa) {
-  return isa == Isa::avx512_bf16 ? Isa::avx512 : isa;
+  return isa == Isa::avx512_vnni || isa == Isa::avx512_bf16 ? Isa::avx512 : isa;
+}
+
+/// Whether `isa` has int8 dot products (VNNI): avx512_vnni and avx512_bf16.
+constexpr bool has_int8_products(Isa isa) {
+  return isa == Isa::avx512_vnni || isa == Isa::avx512_bf16;
 }
 
 /// What the CPU reports about itself (all false off x86-64 or without GCC/Clang).
 struct CpuFeatures {
   bool avx2 = false;         ///< AVX2, FMA and F16C, with the OS saving ymm registers
   bool avx512 = false;       ///< AVX-512F as well, with the OS saving zmm and mask registers
-  bool avx512_bf16 = false;  ///< AVX512-BF16, -BW, -VL and -VNNI as well
+  bool avx512_vnni = false;  ///< AVX512-VNNI, -BW and -VL as well
+  bool avx512_bf16 = false;  ///< AVX512-BF16 as well (with avx512_vnni)
   bool amd = false;          ///< vendor "AuthenticAMD"
   unsigned family = 0;       ///< display family (0x19: Zen 3 and Zen 4; 0x1a: Zen 5)
 };
@@ -123,7 +136,8 @@ inline CpuFeatures query_cpu() {
   cpu.avx512 = cpu.avx2 && zmm_saved && avx512f;
   __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx);
   const bool avx512bf16 = bit(eax, 5);
-  cpu.avx512_bf16 = cpu.avx512 && avx512bw && avx512vl && avx512vnni && avx512bf16;
+  cpu.avx512_vnni = cpu.avx512 && avx512bw && avx512vl && avx512vnni;
+  cpu.avx512_bf16 = cpu.avx512_vnni && avx512bf16;
 #endif
   return cpu;
 }
@@ -156,10 +170,9 @@ inline std::optional<Isa> environment_isa() {
       if (name == isa_name(candidate))
         return candidate;
     }
-    throw_invalid_argument("ATTN_ISA",
-                           "the environment variable is '" + name +
-                               "': must be generic, avx2, avx512 or avx512_bf16 (or unset for "
-                               "automatic)");
+    throw_invalid_argument("ATTN_ISA", "the environment variable is '" + name +
+                                           "': must be generic, avx2, avx512, avx512_vnni or "
+                                           "avx512_bf16 (or unset for automatic)");
   }();
   return isa;
 }
@@ -181,6 +194,8 @@ inline bool isa_supported(Isa isa) {
       return cpu_features().avx2;
     case Isa::avx512:
       return cpu_features().avx512;
+    case Isa::avx512_vnni:
+      return cpu_features().avx512_vnni;
     case Isa::avx512_bf16:
       return cpu_features().avx512_bf16;
   }
@@ -188,11 +203,13 @@ inline bool isa_supported(Isa isa) {
 }
 
 /// The fastest instruction set this CPU supports, by measurement (docs/performance.md):
-/// AVX-512 where it exists (with bf16 dot products where the CPU has them), AVX2 otherwise,
-/// generic without either.
+/// AVX-512 where it exists (with int8 and bf16 dot products where the CPU has them), AVX2
+/// otherwise, generic without either.
 inline Isa best_isa() {
   if (isa_supported(Isa::avx512_bf16))
     return Isa::avx512_bf16;
+  if (isa_supported(Isa::avx512_vnni))
+    return Isa::avx512_vnni;
   if (isa_supported(Isa::avx512))
     return Isa::avx512;
   if (isa_supported(Isa::avx2))

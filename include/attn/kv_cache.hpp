@@ -349,6 +349,7 @@ class KVCache {
       AttentionShape shape{q.batch,      q.heads, kv_heads_,  q.length,
                            max_length(), dim_,    value_dim_, 1};
       shape.kv_quantized = true;
+      shape.k_int8_readable = is_quantized_v<S>;
       const KernelPlan plan = plan_attention<C>(shape, options, false, function);
       const AttentionProblem<C> problem(function, q.batch, q.heads, q.length, max_length(), options,
                                         plan.isa);

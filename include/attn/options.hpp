@@ -39,15 +39,22 @@ inline const char* algorithm_name(Algorithm algorithm) {
 }
 
 /// The arithmetic of the two products of attention, q k^T and P V (docs/precision.md,
-/// "bf16 products"). bf16 is a permission, not a demand: the flash kernel takes it on an
-/// instruction set with bf16 dot products (Isa::avx512_bf16), rounding q, k, v and the
-/// probabilities P to bfloat16 and accumulating in float; every other kernel and CPU, and K
-/// or V stored as half or quantized blocks, computes in fp32. KernelPlan::bf16_products says
-/// which a call does. fp32 is the default everywhere, bfloat16 inputs included: on the Xeon
-/// measured, bf16 dot products ran at half the FLOP rate of its fp32 FMAs.
+/// "bf16 products" and "int8 products"). Each low precision is a permission, not a demand;
+/// KernelPlan::bf16_products and KernelPlan::int8_products say which a call got.
+///   bf16: the flash kernel, on an instruction set with bf16 dot products (Isa::avx512_bf16),
+///     rounds q, k, v and the probabilities P to bfloat16 and accumulates in float; K or V
+///     stored as half or quantized blocks, other kernels and other CPUs compute in fp32.
+///   int8: the decode kernel, on an instruction set with int8 dot products (Isa::avx512_vnni
+///     and above), reads keys stored as q8_0 or q4_0 blocks as int8 and quantizes each query
+///     row per block of 32 to int8 (q k^T exact in int32, scaled in float; P V in fp32);
+///     other storage, kernels and CPUs compute in fp32.
+/// fp32 is the default everywhere, bfloat16 inputs and quantized caches included: on the Xeon
+/// measured, bf16 dot products ran at half the FLOP rate of its fp32 FMAs, and int8 products
+/// change the result by the query's quantization.
 enum class ComputePrecision : std::uint8_t {
   fp32,  ///< 16-bit inputs widened to float, products in float (the same bits on every CPU)
   bf16,  ///< bf16 products where they exist, for bfloat16 or float inputs (rounded as read)
+  int8,  ///< decode's q k^T on int8 products where they exist, for q8_0 and q4_0 keys
 };
 
 inline const char* precision_name(ComputePrecision precision) {
@@ -56,6 +63,8 @@ inline const char* precision_name(ComputePrecision precision) {
       return "fp32";
     case ComputePrecision::bf16:
       return "bf16";
+    case ComputePrecision::int8:
+      return "int8";
   }
   return "unknown";
 }

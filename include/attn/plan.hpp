@@ -43,6 +43,8 @@ struct AttentionShape {
   /// Whether k and v are stored as float or bfloat16, the storage bf16 products read (half
   /// and quantized blocks are not rounded to bfloat16 again).
   bool bf16_readable_kv = false;
+  /// Whether k is stored in q8_0 or q4_0 blocks, the keys int8 products read.
+  bool k_int8_readable = false;
 };
 
 /// How one attention call runs.
@@ -62,10 +64,13 @@ struct KernelPlan {
   int threads = 1;               ///< threads the call may use
   /// flash: q k^T and P V on bf16 dot products with float sums (ComputePrecision::bf16)
   bool bf16_products = false;
+  /// decode: q k^T on int8 products, the queries quantized (ComputePrecision::int8)
+  bool int8_products = false;
 
   std::string describe() const {
     std::string s = std::string(algorithm_name(algorithm)) + " on " + isa_name(isa) + " (" +
-                    scalar + (bf16_products ? ", bf16 products" : "") + "): ";
+                    scalar + (bf16_products ? ", bf16 products" : "") +
+                    (int8_products ? ", int8 products" : "") + "): ";
     switch (algorithm) {
       case Algorithm::flash:
         s += "query tiles of " + std::to_string(query_tile) + ", key tiles of " +
@@ -126,7 +131,8 @@ inline constexpr double flash_cached_bytes = 8 * 1024 * 1024;
 /// The crossovers of `isa` with K and V stored in 16 bits (half, bfloat16) or not.
 inline AutomaticChoice automatic_choice(Isa isa, bool kv_16bit) {
   switch (float_kernels_isa(isa)) {
-    case Isa::avx512_bf16:  // (float_kernels_isa gives avx512)
+    case Isa::avx512_vnni:  // (float_kernels_isa gives avx512)
+    case Isa::avx512_bf16:
     case Isa::avx512:
       return kv_16bit ? AutomaticChoice{0, 8, 8} : AutomaticChoice{0, 8, 16};
     case Isa::avx2:
@@ -160,7 +166,8 @@ inline Index decode_max_queries(Isa isa, bool kv_16bit, double flash_bytes) {
 /// measured with blocks.
 inline Index quantized_decode_max_queries(Isa isa) {
   switch (float_kernels_isa(isa)) {
-    case Isa::avx512_bf16:  // (float_kernels_isa gives avx512)
+    case Isa::avx512_vnni:  // (float_kernels_isa gives avx512)
+    case Isa::avx512_bf16:
     case Isa::avx512:
     case Isa::avx2:
       return 8;
@@ -326,6 +333,11 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
   plan.bf16_products = compute == ComputePrecision::bf16 && std::is_same_v<T, float> &&
                        plan.isa == Isa::avx512_bf16 && plan.algorithm == Algorithm::flash &&
                        shape.bf16_readable_kv && !shape.kv_quantized;
+  // int8 products: decode only, on the levels that have them, for keys stored as blocks of
+  // int8 or nibbles whose D is whole blocks.
+  plan.int8_products = compute == ComputePrecision::int8 && std::is_same_v<T, float> &&
+                       has_int8_products(plan.isa) && plan.algorithm == Algorithm::decode &&
+                       shape.k_int8_readable && shape.dim % 32 == 0;
   detail::plan_threads(plan, detail::attention_flops(shape));
   return plan;
 }

@@ -179,6 +179,7 @@ PagedCall<C> plan_paged_call(const char* function, const PagedPools<S, SV>& pool
                        call.max_length, pools.dim, pools.value_dim};
   shape.kv_element_bytes = quantized ? 1 : Index(sizeof(S));
   shape.kv_quantized = quantized;
+  shape.k_int8_readable = is_quantized_v<S>;
   shape.kv_paged = true;
   shape.bf16_readable_kv = bf16_readable_v<S> && bf16_readable_v<SV>;
   call.plan = plan_attention<C>(shape, o, false, function);

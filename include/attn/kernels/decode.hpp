@@ -96,6 +96,10 @@ void decode_attention(const KernelPlan& plan,
   const Index key_block = plan.key_block;
   std::vector<T> partials(static_cast<std::size_t>(work_items * partial_size));
   const DecodeKernels<T, SK, SV>& kernels = decode_kernels<T, SK, SV>(plan.isa);
+  // int8 products: the plan's choice, available only where the table has them.
+  const auto decode_split = plan.int8_products && kernels.decode_split_int8 != nullptr
+                                ? kernels.decode_split_int8
+                                : kernels.decode_split;
   const bool widened = !(std::is_same_v<SK, T> && std::is_same_v<SV, T>);
   const auto make_workspace = [&] {
     Workspace<T> workspace;
@@ -103,14 +107,14 @@ void decode_attention(const KernelPlan& plan,
                              widened && !kernels.widens_kv_in_registers);
     return workspace;
   };
-  for_each_item(
-      work_items, plan.parallel, make_workspace, [&](Index item, Workspace<T>& workspace) {
-        const Index pair = item / splits, split = item % splits;  // b * Hkv + kv head
-        const Index j0 = split * plan.split_keys;
-        const Index j1 = std::min(j0 + plan.split_keys, k.length);
-        kernels.decode_split(q, k, v, problem, scale, pair / kv_heads, pair % kv_heads, j0, j1,
-                             key_block, workspace, partials.data() + item * partial_size);
-      });
+  for_each_item(work_items, plan.parallel, make_workspace,
+                [&](Index item, Workspace<T>& workspace) {
+                  const Index pair = item / splits, split = item % splits;  // b * Hkv + kv head
+                  const Index j0 = split * plan.split_keys;
+                  const Index j1 = std::min(j0 + plan.split_keys, k.length);
+                  decode_split(q, k, v, problem, scale, pair / kv_heads, pair % kv_heads, j0, j1,
+                               key_block, workspace, partials.data() + item * partial_size);
+                });
   for_each_item(
       groups, plan.parallel, [] { return 0; },
       [&](Index pair, int) {

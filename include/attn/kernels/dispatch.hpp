@@ -1,8 +1,9 @@
 // attn/kernels/dispatch.hpp: the one place that turns an instruction set into its kernels.
 //
 // Every instruction-set namespace (generic, avx2, avx512) ends with one Table
-// (simd/table.inl) of its entry points, and avx512_bf16's Table is avx512's with the flash
-// kernel on bf16 dot products added (kernels/bf16_tiles.hpp):
+// (simd/table.inl) of its entry points; avx512_vnni's Table is avx512's with decode's scores
+// on int8 dot products added (kernels/int8_decode.hpp), and avx512_bf16's is avx512_vnni's
+// with the flash kernel on bf16 dot products added (kernels/bf16_tiles.hpp):
 //
 //   forward<T, SK, SV>  flash_tile                           (kernels/online_softmax.inl)
 //   decode<T, SK, SV>  decode_split, merge_splits            (kernels/online_softmax.inl)
@@ -29,6 +30,7 @@
 #include "attn/kernels/backward_tiles.hpp"
 #include "attn/kernels/bf16_tiles.hpp"
 #include "attn/kernels/gemm.hpp"
+#include "attn/kernels/int8_decode.hpp"
 #include "attn/kernels/online_softmax.hpp"
 #include "attn/kernels/rope.hpp"
 #include "attn/precision.hpp"
@@ -56,6 +58,9 @@ struct DecodeKernels {
   bool widens_kv_in_registers;  ///< decode reads stored K/V itself (else widened per block)
   decltype(&generic::decode_split<T, SK, SV>) decode_split;
   decltype(&generic::merge_splits<T>) merge_splits;
+  /// decode_split with the scores on int8 products (KernelPlan::int8_products): null but on
+  /// avx512_vnni and avx512_bf16, for K stored as q8_0 or q4_0.
+  decltype(&generic::decode_split<T, SK, SV>) decode_split_int8 = nullptr;
 };
 
 /// The flash backward's tile step of one instruction set for compute scalar T.
@@ -86,6 +91,33 @@ using WidenKernel = void (*)(const S* src, float* dst, Index n);
 #include "attn/kernels/simd/foreach_isa.hpp"
 
 #if ATTN_X86_DISPATCH
+ATTN_BEGIN_TARGET_AVX512_VNNI
+namespace attn::detail::avx512_vnni {
+
+/// decode_split on int8 products where it applies (float compute, K stored as q8_0 or q4_0),
+/// else null.
+template <class T, class SK, class SV>
+constexpr decltype(&avx512::decode_split<T, SK, SV>) int8_decode_split() {
+  if constexpr (std::is_same_v<T, float> && is_quantized_v<SK>)
+    return &decode_split_int8<T, SK, SV>;
+  else
+    return nullptr;
+}
+
+/// avx512's table, and decode's scores on int8 products.
+struct Table : avx512::Table {
+  static constexpr Isa level = isa;
+  static const char* name() { return isa_name(level); }
+
+  template <class T, class SK, class SV>
+  static constexpr DecodeKernels<T, SK, SV> decode{
+      level, avx512::widens_in_registers, &avx512::decode_split<T, SK, SV>,
+      &avx512::merge_splits<T>, int8_decode_split<T, SK, SV>()};
+};
+
+}  // namespace attn::detail::avx512_vnni
+ATTN_END_TARGET
+
 ATTN_BEGIN_TARGET_AVX512_BF16
 namespace attn::detail::avx512_bf16 {
 
@@ -99,14 +131,18 @@ constexpr decltype(&avx512::flash_tile<T, SK, SV>) bf16_flash_tile() {
     return nullptr;
 }
 
-/// avx512's table, and the flash tile on bf16 products.
-struct Table : avx512::Table {
+/// avx512_vnni's table, and the flash tile on bf16 products.
+struct Table : avx512_vnni::Table {
   static constexpr Isa level = isa;
   static const char* name() { return isa_name(level); }
 
   template <class T, class SK, class SV>
   static constexpr ForwardKernels<T, SK, SV> forward{level, lanes, &avx512::flash_tile<T, SK, SV>,
                                                      bf16_flash_tile<T, SK, SV>()};
+  template <class T, class SK, class SV>
+  static constexpr DecodeKernels<T, SK, SV> decode{
+      level, avx512::widens_in_registers, &avx512::decode_split<T, SK, SV>,
+      &avx512::merge_splits<T>, avx512_vnni::int8_decode_split<T, SK, SV>()};
 };
 
 }  // namespace attn::detail::avx512_bf16
@@ -123,6 +159,8 @@ decltype(auto) dispatch(Isa isa, const Pick& pick) {
   switch (isa) {
     case Isa::avx512_bf16:
       return pick(avx512_bf16::Table{});
+    case Isa::avx512_vnni:
+      return pick(avx512_vnni::Table{});
     case Isa::avx512:
       return pick(avx512::Table{});
     case Isa::avx2:
@@ -226,6 +264,7 @@ ATTN_GENERIC_KERNEL_INSTANCES(ATTN_EXTERN_INSTANCE)
 #if ATTN_X86_DISPATCH
 ATTN_VECTOR_KERNEL_INSTANCES(ATTN_EXTERN_INSTANCE, attn::detail::avx2)
 ATTN_VECTOR_KERNEL_INSTANCES(ATTN_EXTERN_INSTANCE, attn::detail::avx512)
+ATTN_INT8_KERNEL_INSTANCES(ATTN_EXTERN_INSTANCE)
 ATTN_BF16_KERNEL_INSTANCES(ATTN_EXTERN_INSTANCE)
 #endif
 #endif

@@ -283,22 +283,45 @@ void flash_tile(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
       q, k, v, out, problem, b, h, kv_head, scale, i0, key_tile, workspace, logsumexp);
 }
 
+/// The scores of decode in the compute scalar: s = q tile k block^T with k widened in
+/// registers (or first, into the workspace, on the generic path). decode_split_with's
+/// KeyScores policy; int8 products are the other one (kernels/int8_decode.hpp).
+template <class T, class SK>
+struct WidenedKeyScores {
+  /// Called once per split after pass 1 (nothing to prepare).
+  static void prepare(const T* /*q_tile*/, Index /*rows*/, Index /*dim*/,
+                      Workspace<T>& /*workspace*/) {}
+  static void scores(const T* q_tile, Index rows,                   // (rows, D)
+                     const SK* k_rows, Index k_stride, Index cols,  // (cols, D / units)
+                     Index dim, T* s, Index s_stride,               // (rows, cols)
+                     const SK* ahead, Workspace<T>& workspace) {
+    if constexpr (widens_in_registers || std::is_same_v<SK, T>) {
+      dot_scores(q_tile, dim, rows, k_rows, k_stride, cols, dim, s, s_stride, ahead);
+    } else {
+      widen_rows(k_rows, k_stride, cols, dim, workspace.k.data());
+      dot_scores(q_tile, dim, rows, workspace.k.data(), dim, cols, dim, s, s_stride,
+                 workspace.k.data());
+    }
+  }
+};
+
 /// One split [j0, j1) of the keys of one (b, kv head) for all R = G * Lq queries of the
 /// group: their partial online softmax, written as m (R), l (R), acc (R, Dv) at `partial`.
 /// Queries that see no key of the split keep m = -inf, l = 0 (acc is then not written).
-///   pass 1: q tile = scale * the group's queries
+/// The scores come from `KeyScores` (WidenedKeyScores, or int8 products).
+///   pass 1: q tile = scale * the group's queries (KeyScores::prepare then sees them)
 ///   pass 2: for each key block the mask does not hide:
-///             s = q tile k block^T              (k widened in registers, or first)
+///             s = q tile k block^T              (KeyScores::scores)
 ///             mask s (per query head: bias, keep-mask and ALiBi depend on it)
 ///             online softmax along the rows of s
 ///             acc = alpha acc + s v block
-template <class T, class SK, class SV>
-void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
-                  const HeadsView<const SK>& k,  // (B, Hkv, Lk, D / values_per_unit_v<SK>)
-                  const HeadsView<const SV>& v,  // (B, Hkv, Lk, Dv / values_per_unit_v<SV>)
-                  const AttentionProblem<T>& problem, T scale, Index b, Index kv_head, Index j0,
-                  Index j1, Index key_block, Workspace<T>& workspace,
-                  T* partial) {  // m (R), l (R), acc (R, Dv)
+template <class T, class SK, class SV, class KeyScores>
+void decode_split_with(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
+                       const HeadsView<const SK>& k,  // (B, Hkv, Lk, D / values_per_unit_v<SK>)
+                       const HeadsView<const SV>& v,  // (B, Hkv, Lk, Dv / values_per_unit_v<SV>)
+                       const AttentionProblem<T>& problem, T scale, Index b, Index kv_head,
+                       Index j0, Index j1, Index key_block, Workspace<T>& workspace,
+                       T* partial) {  // m (R), l (R), acc (R, Dv)
   // Partials are laid out for the longest sequence, R = G * q.length rows; this one's rows
   // are r = g * Lq_b + i.
   const Index group = q.heads / k.heads, q_length = q.rows(b), rows = group * q_length;
@@ -326,6 +349,7 @@ void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
         to[d] = scale * from[d];
     }
   }
+  KeyScores::prepare(q_tile, rows, dim, workspace);
   T* s = workspace.s.data();
   const Index s_stride = workspace.s.cols();
   T* alpha = workspace.alpha.data();
@@ -344,14 +368,8 @@ void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
       continue;
     const SK* k_rows = row_data(k, b, kv_head, c0);
     const SV* v_rows = row_data(v, b, kv_head, c0);
-    if constexpr (widens_in_registers || std::is_same_v<SK, T>) {
-      dot_scores(q_tile, dim, rows, k_rows, k.row_stride, cols, dim, s, s_stride,
-                 rows_after(k, b, kv_head, c0, cols));
-    } else {
-      widen_rows(k_rows, k.row_stride, cols, dim, workspace.k.data());
-      dot_scores(q_tile, dim, rows, workspace.k.data(), dim, cols, dim, s, s_stride,
-                 workspace.k.data());
-    }
+    KeyScores::scores(q_tile, rows, k_rows, k.row_stride, cols, dim, s, s_stride,
+                      rows_after(k, b, kv_head, c0, cols), workspace);
     if (visibility == TileVisibility::partial || problem.modifies_scores()) {
       for (Index g = 0; g < group; ++g) {
         Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> head_rows(
@@ -374,6 +392,19 @@ void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
     }
     first_block = false;
   }
+}
+
+/// decode_split_with on scores in the compute scalar (WidenedKeyScores): the entry of the
+/// tables.
+template <class T, class SK, class SV>
+void decode_split(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
+                  const HeadsView<const SK>& k,  // (B, Hkv, Lk, D / values_per_unit_v<SK>)
+                  const HeadsView<const SV>& v,  // (B, Hkv, Lk, Dv / values_per_unit_v<SV>)
+                  const AttentionProblem<T>& problem, T scale, Index b, Index kv_head, Index j0,
+                  Index j1, Index key_block, Workspace<T>& workspace,
+                  T* partial) {  // m (R), l (R), acc (R, Dv)
+  decode_split_with<T, SK, SV, WidenedKeyScores<T, SK>>(q, k, v, problem, scale, b, kv_head, j0, j1,
+                                                        key_block, workspace, partial);
 }
 
 /// Merges the `splits` partials of one (b, kv head) (consecutive, `partial_size` apart)

@@ -19,6 +19,11 @@
 //   bf16_q, bf16_p, bf16_k, bf16_v  flash's operands on bf16 products, in pairs along the
 //                                   sum (kernels/bf16_tiles.hpp): (D/2, W, 2) q^T,
 //                                   (Bk/2, W, 2) p^T, (Bk, D) k, (Bk/2, Dv, 2) v, 16-bit
+//   int8_q, int8_scales, int8_offsets  decode's queries on int8 products
+//                                   (kernels/int8_decode.hpp): (R, D) int8, and per block
+//                                   of 32, (R, D/32) float scales and int32 offsets
+//   int8_keys, int8_key_scales      a panel of 16 keys transposed for int8 products: (D/4,
+//                                   16, 4) bytes, (D/32, 16) float scales
 //
 // Sized once per call, reused for every work item of the thread; what that costs is stated
 // with each kernel (kernels/flash.hpp, kernels/decode.hpp).
@@ -80,6 +85,10 @@ struct Workspace {
   std::vector<std::uint32_t> dropout_rows;  // (W) the dropout's row keys of a tile's queries
   Scratch<T> k, v;
   Scratch<std::uint16_t> bf16_q, bf16_p, bf16_k, bf16_v;  // bfloat16 bits
+  Scratch<std::int8_t> int8_q;
+  Scratch<float> int8_scales, int8_key_scales;
+  Scratch<std::int32_t> int8_offsets;
+  Scratch<std::uint8_t> int8_keys;
 
   /// Flash: query tiles of up to `width` (padded) queries, key tiles of up to `keys` keys.
   void reserve_flash(Index width, Index keys, Index dim, Index value_dim, bool widens_kv) {
@@ -102,6 +111,16 @@ struct Workspace {
     bf16_p.resize(keys2, width);
     bf16_k.resize(keys, dim2);
     bf16_v.resize(keys2, value_dim);
+  }
+
+  /// Decode on int8 products: `rows` = G * Lq queries of `dim` (a multiple of 32) values.
+  void reserve_int8(Index rows, Index dim) {
+    const Index blocks = dim / 32;
+    int8_q.resize(rows, dim);
+    int8_scales.resize(rows, blocks);
+    int8_offsets.resize(rows, blocks);
+    int8_keys.resize(dim / 4, Index{64});  // 16 keys of 4 bytes
+    int8_key_scales.resize(blocks, 16);
   }
 
   /// Decode: `rows` = G * Lq queries, key blocks of up to `keys` keys.

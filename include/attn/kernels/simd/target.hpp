@@ -3,6 +3,7 @@
 //
 //   ATTN_BEGIN_TARGET_AVX2         ... ATTN_END_TARGET   AVX2 + FMA + F16C, and never AVX-512
 //   ATTN_BEGIN_TARGET_AVX512       ... ATTN_END_TARGET   AVX-512F (with AVX2, FMA, F16C)
+//   ATTN_BEGIN_TARGET_AVX512_VNNI  ... ATTN_END_TARGET   AVX-512F, BW, VL and VNNI
 //   ATTN_BEGIN_TARGET_AVX512_BF16  ... ATTN_END_TARGET   AVX-512F, BW, VL, VNNI and BF16
 //
 // Every function defined in the region (templates, member functions and lambdas included)
@@ -45,6 +46,8 @@
 #endif
 #define ATTN_BEGIN_TARGET_AVX512 \
   _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx2,fma,f16c\"))), apply_to = function)")
+#define ATTN_BEGIN_TARGET_AVX512_VNNI \
+  _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c\"))), apply_to = function)")
 #define ATTN_BEGIN_TARGET_AVX512_BF16 \
   _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c\"))), apply_to = function)")
 #define ATTN_END_TARGET _Pragma("clang attribute pop")
@@ -61,6 +64,10 @@
 #define ATTN_BEGIN_TARGET_AVX512                                                \
   _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx2,fma,f16c\")") \
       _Pragma("GCC optimize(\"fp-contract=off\")")
+#define ATTN_BEGIN_TARGET_AVX512_VNNI                                           \
+  _Pragma("GCC push_options")                                                   \
+      _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c\")") \
+          _Pragma("GCC optimize(\"fp-contract=off\")")
 #define ATTN_BEGIN_TARGET_AVX512_BF16                                                      \
   _Pragma("GCC push_options")                                                              \
       _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c\")") \
