@@ -1,0 +1,261 @@
+// attn/distributed/ring.hpp: ring attention's forward on every rank of MPI_COMM_WORLD equals
+// the single-process call on the gathered tensors and the long double reference, within
+// twice the plain loops' error, for every option a ring supports and both splits; the same
+// bits on every run and for any number of threads; bad input refused by every rank.
+#include <catch2/catch.hpp>
+
+#include <string>
+#include <vector>
+
+#include <attn/distributed/ring.hpp>
+
+#include "distributed/support.hpp"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace {
+
+using attn::Index;
+using attn::distributed::SequenceSplit;
+using attn::distributed::token_runs;
+using namespace attn_dist_test;
+
+struct RingCase {
+  std::string name;
+  Index B, Hq, Hkv, Lq, Lk, D, Dv;
+  attn::AttentionOptions<float> options;
+};
+
+std::vector<RingCase> ring_cases() {
+  std::vector<RingCase> cases;
+  const auto add = [&](std::string name, Index B, Index Hq, Index Hkv, Index Lq, Index Lk, Index D,
+                       Index Dv, auto edit) {
+    attn::AttentionOptions<float> o;
+    edit(o);
+    cases.push_back({std::move(name), B, Hq, Hkv, Lq, Lk, D, Dv, o});
+  };
+  add("no mask, L 37", 1, 2, 2, 37, 37, 8, 6, [](auto&) {});
+  add("causal top-left, L 40", 2, 2, 1, 40, 40, 8, 8,
+      [](auto& o) { o.causal = attn::Causal::top_left; });
+  add("causal bottom-right, Lq 23 Lk 41", 1, 4, 2, 23, 41, 8, 5,
+      [](auto& o) { o.causal = attn::Causal::bottom_right; });
+  add("causal top-left, Lq 41 Lk 23", 1, 2, 2, 41, 23, 6, 6,
+      [](auto& o) { o.causal = attn::Causal::top_left; });
+  add("causal bottom-right, Lq 41 Lk 23", 1, 2, 1, 41, 23, 6, 6,
+      [](auto& o) { o.causal = attn::Causal::bottom_right; });
+  add("window (5, 3), no causal", 1, 2, 2, 33, 33, 8, 8, [](auto& o) { o.window = {5, 3}; });
+  add("causal + window (7, -1)", 1, 3, 1, 45, 45, 8, 8, [](auto& o) {
+    o.causal = attn::Causal::top_left;
+    o.window = {7, -1};
+  });
+  add("window (-1, 4) bottom-right, Lq 20 Lk 31", 1, 2, 2, 20, 31, 8, 8, [](auto& o) {
+    o.window = {-1, 4};
+  });
+  add("GQA 8/2, causal", 1, 8, 2, 29, 29, 8, 8, [](auto& o) { o.causal = attn::Causal::top_left; });
+  add("ragged key and query lengths, causal bottom-right", 3, 2, 1, 30, 34, 8, 8, [](auto& o) {
+    o.causal = attn::Causal::bottom_right;
+    o.key_lengths = {34, 17, 0};
+    o.query_lengths = {25, 9, 30};
+  });
+  add("ragged key lengths, window (4, 2)", 2, 2, 2, 26, 26, 8, 8, [](auto& o) {
+    o.window = {4, 2};
+    o.key_lengths = {26, 11};
+  });
+  add("sink tokens 3, causal, window (4, 0)", 1, 2, 2, 38, 38, 8, 8, [](auto& o) {
+    o.causal = attn::Causal::top_left;
+    o.window = {4, 0};
+    o.sink_tokens = 3;
+  });
+  add("sink tokens 5, window (2, 3), no causal", 1, 2, 2, 27, 27, 8, 8, [](auto& o) {
+    o.window = {2, 3};
+    o.sink_tokens = 5;
+  });
+  add("learned sinks, softcap, scale", 1, 2, 1, 31, 31, 8, 8, [](auto& o) {
+    o.causal = attn::Causal::top_left;
+    o.sinks = {0.5f, -1.0f};
+    o.softcap = 3.0f;
+    o.scale = 0.4f;
+  });
+  add("L 3: ranks without tokens", 1, 2, 2, 3, 3, 8, 8,
+      [](auto& o) { o.causal = attn::Causal::top_left; });
+  add("Lq 1 against Lk 9, causal bottom-right", 1, 2, 2, 1, 9, 8, 8,
+      [](auto& o) { o.causal = attn::Causal::bottom_right; });
+  add("flash with tiny tiles, causal", 1, 2, 2, 50, 50, 8, 8, [](auto& o) {
+    o.causal = attn::Causal::top_left;
+    o.algorithm = attn::Algorithm::flash;
+    o.query_tile = 4;
+    o.key_tile = 3;
+  });
+  return cases;
+}
+
+/// The ring's rows of one case against the single-process call and the reference.
+void check_forward(const RingCase& c, SequenceSplit split) {
+  const int P = comm_size(), rank = comm_rank();
+  const auto q = random_tensor<float>(c.B, c.Hq, c.Lq, c.D, 1);
+  const auto k = random_tensor<float>(c.B, c.Hkv, c.Lk, c.D, 2);
+  const auto v = random_tensor<float>(c.B, c.Hkv, c.Lk, c.Dv, 3);
+  const auto q_runs = token_runs(split, c.Lq, P, rank);
+  const auto k_runs = token_runs(split, c.Lk, P, rank);
+  attn::distributed::RingStats stats;
+  const auto ring = attn::distributed::ring_attention<float>(
+      local_rows(q, q_runs), local_rows(k, k_runs), local_rows(v, k_runs), c.options,
+      {split, &stats}, MPI_COMM_WORLD, attn::Return::logsumexp);
+  const auto single =
+      attn::scaled_dot_product_attention(q, k, v, c.options, attn::Return::logsumexp);
+  const ref::Problem p = reference_problem(c.options, c.B, c.Hq, c.Hkv, c.Lq, c.Lk, c.D, c.Dv);
+  const auto truth =
+      ref::attention<long double>(p, as_long_double(q), as_long_double(k), as_long_double(v));
+  const auto plain =
+      ref::attention<float>(p, as_long_double(q), as_long_double(k), as_long_double(v));
+  const double out_bound = error_bound<float>(max_error(plain.out, truth.out));
+  const double lse_bound = error_bound<float>(max_error(plain.lse, truth.lse));
+  const auto mine = [&](const auto& global, Index width) {
+    return local_values(global, c.B, c.Hq, c.Lq, width, q_runs);
+  };
+  INFO(c.name << ", " << attn::distributed::split_name(split) << ", rank " << rank << " of " << P);
+  const double out_error = max_error(as_vector(ring.out), mine(truth.out, c.Dv));
+  const double lse_error = max_error(as_vector(ring.logsumexp), mine(truth.lse, 1));
+  INFO("out error " << out_error << " (bound " << out_bound << "), lse error " << lse_error
+                    << " (bound " << lse_bound << ")");
+  CHECK(out_error <= out_bound);
+  CHECK(lse_error <= lse_bound);
+  CHECK(max_error(as_vector(ring.out), mine(as_vector(single.out), c.Dv)) <= out_bound);
+  CHECK(max_error(as_vector(ring.logsumexp), mine(as_vector(single.logsumexp), 1)) <= lse_bound);
+  CHECK(stats.steps == P);
+}
+
+}  // namespace
+
+TEST_CASE("ring attention equals the single-process call for every option and split",
+          "[distributed][ring]") {
+  for (const RingCase& c : ring_cases()) {
+    check_forward(c, SequenceSplit::contiguous);
+    check_forward(c, SequenceSplit::zigzag);
+  }
+}
+
+TEST_CASE("ring attention sends P - 1 blocks and skips blocks no query sees",
+          "[distributed][ring]") {
+  const int P = comm_size(), rank = comm_rank();
+  const Index B = 1, H = 2, L = 64, D = 8;
+  const auto q = random_tensor<float>(B, H, L, D, 4);
+  attn::AttentionOptions<float> o;
+  o.causal = attn::Causal::top_left;
+  const auto runs = token_runs(SequenceSplit::contiguous, L, P, rank);
+  attn::distributed::RingStats stats;
+  const auto local = local_rows(q, runs);
+  attn::distributed::ring_attention<float>(local, local, local, o,
+                                           {SequenceSplit::contiguous, &stats}, MPI_COMM_WORLD);
+  CHECK(stats.steps == P);
+  // Rank r's queries see the blocks of ranks 0..r only (contiguous and causal).
+  CHECK(stats.blocks_computed == rank + 1);
+  Index sent = 0;
+  for (int s = 0; s + 1 < P; ++s) {
+    const int source = (rank - s + P) % P;
+    sent += B * H * attn::distributed::local_length(SequenceSplit::contiguous, L, P, source) * 2 *
+            D * Index(sizeof(float));
+  }
+  CHECK(stats.bytes_sent == sent);
+}
+
+TEST_CASE("ring attention gives the same bits on every run and for any thread count",
+          "[distributed][ring]") {
+  const int P = comm_size(), rank = comm_rank();
+  const Index B = 1, H = 4, L = 300, D = 16;
+  const auto q = random_tensor<float>(B, H, L, D, 5);
+  const auto k = random_tensor<float>(B, 2, L, D, 6);
+  const auto v = random_tensor<float>(B, 2, L, D, 7);
+  attn::AttentionOptions<float> o;
+  o.causal = attn::Causal::top_left;
+  const auto runs = token_runs(SequenceSplit::zigzag, L, P, rank);
+  const auto lq = local_rows(q, runs), lk = local_rows(k, runs), lv = local_rows(v, runs);
+  const auto run = [&] {
+    return attn::distributed::ring_attention<float>(lq, lk, lv, o, {SequenceSplit::zigzag},
+                                                    MPI_COMM_WORLD, attn::Return::logsumexp);
+  };
+  const auto first = run();
+  const auto second = run();
+  CHECK(same_bits(first.out, second.out));
+  CHECK(same_bits(first.logsumexp, second.logsumexp));
+#if defined(_OPENMP)
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(2);
+  const auto two = run();
+  omp_set_num_threads(threads);
+  CHECK(same_bits(first.out, two.out));
+  CHECK(same_bits(first.logsumexp, two.logsumexp));
+#endif
+}
+
+TEST_CASE("ring attention: every rank throws when one rank's arguments differ",
+          "[distributed][ring][errors]") {
+  const int P = comm_size(), rank = comm_rank();
+  const Index L = 20;
+  const auto runs = token_runs(SequenceSplit::contiguous, L, P, rank);
+  const auto local = [&](Index D) { return local_rows(random_tensor<float>(1, 2, L, D, 8), runs); };
+  attn::AttentionOptions<float> o;
+  const attn::distributed::RingOptions ring{SequenceSplit::contiguous};
+  const int last = P - 1;
+
+  if (P < 2)  // the sections below need a second rank to disagree with
+    return;
+  SECTION("a head dim that differs on the last rank") {
+    const auto x = local(rank == last ? 9 : 8);
+    CHECK_THROWS_WITH(attn::distributed::ring_attention<float>(x, x, x, o, ring, MPI_COMM_WORLD),
+                      Catch::Contains("ring_attention: the ranks' arguments differ: D is 8 on "
+                                      "rank 0 but 9 on rank " +
+                                      std::to_string(last)));
+  }
+  SECTION("options that differ on the last rank") {
+    const auto x = local(8);
+    attn::AttentionOptions<float> mine = o;
+    if (rank == last)
+      mine.causal = attn::Causal::top_left;
+    CHECK_THROWS_WITH(
+        attn::distributed::ring_attention<float>(x, x, x, mine, ring, MPI_COMM_WORLD),
+        Catch::Contains("options.causal is 0 on rank 0 but 1 on rank " + std::to_string(last)));
+    if (rank == last)
+      mine.key_lengths = {3};
+    else
+      mine = o;
+    CHECK_THROWS_WITH(attn::distributed::ring_attention<float>(x, x, x, mine, ring, MPI_COMM_WORLD),
+                      Catch::Contains("the ranks' arguments differ"));
+  }
+  SECTION("key lengths whose values differ") {
+    const auto x = local(8);
+    attn::AttentionOptions<float> mine = o;
+    mine.key_lengths = {rank == last ? Index(5) : Index(6)};
+    CHECK_THROWS_WITH(attn::distributed::ring_attention<float>(x, x, x, mine, ring, MPI_COMM_WORLD),
+                      Catch::Contains("options.key_lengths[b] is 6 on rank 0 but 5 on rank"));
+  }
+  SECTION("a bad output on rank 0 only, the outputs left unchanged") {
+    const auto x = local(8);
+    attn::Tensor<float, 4> out(1, 2, x.dimension(2) + (rank == 0 ? 1 : 0), 8);
+    out.setConstant(7.0f);
+    CHECK_THROWS_WITH(attn::distributed::ring_attention_into<float>(
+                          attn::bhld_view(x), attn::bhld_view(x), attn::bhld_view(x),
+                          attn::bhld_view(out), o, ring, MPI_COMM_WORLD),
+                      Catch::Contains("ring_attention: rank 0: out is"));
+    bool unchanged = true;
+    for (Index n = 0; n < out.size(); ++n)
+      unchanged = unchanged && out.data()[n] == 7.0f;
+    CHECK(unchanged);
+  }
+  SECTION("a rank holding the wrong number of tokens") {
+    // Rank 0 holds three rows too many: no split of the total gives it that many.
+    const Index mine = attn::distributed::local_length(SequenceSplit::contiguous, L, P, rank);
+    const auto x = random_tensor<float>(1, 2, mine + (rank == 0 ? 3 : 0), 8, 8);
+    CHECK_THROWS_WITH(attn::distributed::ring_attention<float>(x, x, x, o, ring, MPI_COMM_WORLD),
+                      Catch::Contains("but the contiguous split of"));
+  }
+  SECTION("an option a ring does not support") {
+    const auto x = local(8);
+    attn::AttentionOptions<float> mine = o;
+    mine.alibi_slopes = {0.5f, 0.25f};
+    CHECK_THROWS_WITH(attn::distributed::ring_attention<float>(x, x, x, mine, ring, MPI_COMM_WORLD),
+                      Catch::Contains("options.alibi_slopes is given"));
+  }
+}
