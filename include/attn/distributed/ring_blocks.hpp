@@ -81,17 +81,19 @@ struct RingLayout {
   }
 };
 
-/// Throws unless the options are ones a ring supports (the header's list).
+/// Throws unless the options are ones a split sequence supports (the header's list); with
+/// `whole_heads` (all-to-all heads: each rank attends whole heads) ALiBi too.
 template <class T>
-void check_ring_options(const char* function, const AttentionOptions<T>& options) {
-  const char* refused = !options.keep_mask.empty()      ? "keep_mask"
-                        : !options.bias.empty()         ? "bias"
-                        : !options.alibi_slopes.empty() ? "alibi_slopes"
-                        : options.score_mod             ? "score_mod"
-                        : options.mask_mod              ? "mask_mod"
-                        : !options.block_mask.empty()   ? "block_mask"
-                        : options.dropout_p != 0        ? "dropout_p"
-                                                        : nullptr;
+void check_ring_options(const char* function, const AttentionOptions<T>& options,
+                        bool whole_heads = false) {
+  const char* refused = !options.keep_mask.empty()                      ? "keep_mask"
+                        : !options.bias.empty()                         ? "bias"
+                        : !options.alibi_slopes.empty() && !whole_heads ? "alibi_slopes"
+                        : options.score_mod                             ? "score_mod"
+                        : options.mask_mod                              ? "mask_mod"
+                        : !options.block_mask.empty()                   ? "block_mask"
+                        : options.dropout_p != 0                        ? "dropout_p"
+                                                                        : nullptr;
   if (refused != nullptr) {
     attn::detail::throw_invalid_argument(
         function, std::string("options.") + refused +
@@ -122,6 +124,7 @@ std::vector<SignatureField> ring_signature(const HeadsView<const T>& q,  // (B, 
           {"options.key_lengths.size()", i64(options.key_lengths.size())},
           {"options.query_lengths.size()", i64(options.query_lengths.size())},
           {"options.sinks.size()", i64(options.sinks.size())},
+          {"options.alibi_slopes.size()", i64(options.alibi_slopes.size())},
           {"options.scale given", i64(options.scale.has_value())},
           {"options.scale", double_bits(double(options.scale.value_or(T(0)))), true, true},
           {"options.softcap given", i64(options.softcap.has_value())},
@@ -142,6 +145,8 @@ std::vector<SignatureField> ring_vectors(const AttentionOptions<T>& options) {
     fields.push_back({"options.query_lengths[b]", static_cast<std::int64_t>(n)});
   for (const T z : options.sinks)
     fields.push_back({"options.sinks[h]", double_bits(double(z)), true, true});
+  for (const T slope : options.alibi_slopes)
+    fields.push_back({"options.alibi_slopes[h]", double_bits(double(slope)), true, true});
   return fields;
 }
 
@@ -201,7 +206,7 @@ std::string local_ring_error(const char* function,
                              const HeadsView<const T>& q,  // (B, Hq, lq, D)
                              const HeadsView<const T>& k,  // (B, Hkv, lk, D)
                              const HeadsView<const T>& v,  // (B, Hkv, lk, Dv)
-                             const AttentionOptions<T>& options) {
+                             const AttentionOptions<T>& options, bool whole_heads = false) {
   try {
     if (q.row_offsets != nullptr || k.row_offsets != nullptr || v.row_offsets != nullptr ||
         q.pages != nullptr || k.pages != nullptr || v.pages != nullptr) {
@@ -209,7 +214,7 @@ std::string local_ring_error(const char* function,
           function, "packed or paged views are not supported: give padded (B, H, L, D) views");
     }
     attn::detail::check_attention_shapes(function, q, k, v);
-    check_ring_options(function, options);
+    check_ring_options(function, options, whole_heads);
     attn::detail::resolve_scale(function, options.scale, q.dim);
   } catch (const std::invalid_argument& e) {
     return e.what();
