@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include <attn/distributed/ring.hpp>
+#include <attn/distributed.hpp>
 
 #include "distributed/ring_cases.hpp"
 #include "distributed/support.hpp"

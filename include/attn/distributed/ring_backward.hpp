@@ -102,7 +102,7 @@ template <class T>
 void run_ring_backward(const char* function, MPI_Comm comm, const RingLayout& layout,
                        const RingBackwardInputs<T>& in, const AttentionGradientViews<T>& grads,
                        const AttentionOptions<T>& options, RingStats* stats) {
-  const std::size_t block = static_cast<std::size_t>(layout.max_kv_elements());
+  const auto block = static_cast<std::size_t>(layout.max_kv_elements());
   std::vector<T> blocks[2] = {std::vector<T>(block), std::vector<T>(block)};
   pack_heads(in.v, pack_heads(in.k, blocks[0].data()));
   // dk/dv sums: arriving, in flight to the next rank, and this step's own.
