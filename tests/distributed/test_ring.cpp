@@ -183,6 +183,12 @@ TEST_CASE("ring attention: every rank throws when one rank's arguments differ",
     CHECK_THROWS_WITH(attn::distributed::ring_attention<float>(x, x, x, o, ring, MPI_COMM_WORLD),
                       Catch::Contains("but the contiguous split of"));
   }
+  SECTION("weights, which a ring cannot give") {
+    const auto x = local(8);
+    CHECK_THROWS_WITH(attn::distributed::ring_attention<float>(x, x, x, o, ring, MPI_COMM_WORLD,
+                                                               attn::Return::weights),
+                      Catch::Contains("weights are not available from a ring"));
+  }
   SECTION("an option a ring does not support") {
     const auto x = local(8);
     attn::AttentionOptions<float> mine = o;

@@ -122,6 +122,7 @@ TEST_CASE("decoding against a split cache equals one process over all the tokens
     check_split_cache(1, {37, 20, 2}, round_robin, plain);  // sequence 2: ranks without tokens
     check_split_cache(1, {37, 20, 2}, round_robin, sinks);
   }
+  check_split_cache(1, {1}, true, plain);        // ranks whose whole part is empty
   check_split_cache(3, {41, 25}, false, plain);  // the newest rank's causal mask
   check_split_cache(3, {41, 25}, false, sinks);
 }

@@ -177,7 +177,7 @@ void ring_attention_into(const HeadsView<const T>& q,  // (B, Hq, lq, D)
 }
 
 /// ring_attention_into on rank-4 row-major tensors: returns out (B, Hq, lq, Dv) and, with
-/// Return::logsumexp, the log-sum-exp (B, Hq, lq).
+/// Return::logsumexp, the log-sum-exp (B, Hq, lq) (Return::weights is refused).
 template <class T>
 AttentionOutputs<T> ring_attention(const Tensor<T, 4>& q,  // (B, Hq, lq, D)
                                    const Tensor<T, 4>& k,  // (B, Hkv, lk, D)
@@ -191,6 +191,8 @@ AttentionOutputs<T> ring_attention(const Tensor<T, 4>& q,  // (B, Hq, lq, D)
     result.logsumexp.resize(q.dimension(0), q.dimension(1), q.dimension(2));
     views.logsumexp = bhl_view(result.logsumexp);
   }
+  if (attn::detail::wants(returns, Return::weights))  // refused on every rank, collectively
+    views.weights = bhld_view(result.weights);
   ring_attention_into<T>(bhld_view(q), bhld_view(k), bhld_view(v), views, options, ring, comm);
   return result;
 }
