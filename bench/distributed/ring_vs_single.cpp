@@ -26,6 +26,7 @@
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -200,6 +201,7 @@ Record measure(Index length, bool causal, SequenceSplit split, int repetitions) 
   layout.kv_heads = heads;
   layout.dim = dim;
   layout.value_dim = dim;
+  layout.k_rows.reserve(static_cast<std::size_t>(P));
   for (int s = 0; s < P; ++s)
     layout.k_rows.push_back(attn::distributed::local_length(split, length, P, s));
   std::vector<double> alone;
@@ -222,22 +224,31 @@ std::string json_of(const std::vector<Record>& records, int ranks, int repetitio
   const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
   char date[64] = {};
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%S", std::gmtime(&now));
-  s << "{\n  \"context\": {\"date\": \"" << date << "\", \"host_name\": \"" << host
-    << "\", \"ranks\": " << ranks << ", \"repetitions\": " << repetitions << ", \"load_avg\": ["
-    << load[0] << ", " << load[1] << ", " << load[2]
-    << "], \"problem\": \"B 1, Hq = Hkv = " << heads << ", D = Dv = " << dim
-    << ", float\"},\n  \"runs\": [\n";
+  // "name": value pairs, strings quoted.
+  const auto text = [](const std::string& x) { return R"(")" + x + R"(")"; };
+  const auto pair = [&](const char* name, const auto& value) {
+    std::ostringstream p;
+    p << text(name) << ": " << value;
+    return p.str();
+  };
+  s << "{\n  " << text("context") << ": {" << pair("date", text(date)) << ", "
+    << pair("host_name", text(host)) << ", " << pair("ranks", ranks) << ", "
+    << pair("repetitions", repetitions) << ", " << text("load_avg") << ": [" << load[0] << ", "
+    << load[1] << ", " << load[2] << "], "
+    << pair("problem", text("B 1, Hq = Hkv = " + std::to_string(heads) +
+                            ", D = Dv = " + std::to_string(dim) + ", float"))
+    << "},\n  " << text("runs") << ": [\n";
   for (std::size_t n = 0; n < records.size(); ++n) {
     const Record& r = records[n];
-    s << "    {\"length\": " << r.length << ", \"causal\": " << (r.causal ? "true" : "false")
-      << ", \"split\": \"" << attn::distributed::split_name(r.split)
-      << "\", \"single_seconds\": " << r.single_seconds << ", \"ring_seconds\": " << r.ring_seconds
-      << ", \"ring_compute_seconds\": " << r.compute_seconds
-      << ", \"ring_wait_seconds\": " << r.wait_seconds
-      << ", \"transfers_alone_seconds\": " << r.transfer_seconds
-      << ", \"bytes_sent_per_rank\": " << r.bytes_sent
-      << ", \"blocks_computed\": " << r.blocks_computed << ", \"flops\": " << r.flops
-      << ", \"max_difference\": " << r.max_difference << "}" << (n + 1 < records.size() ? "," : "")
+    s << "    {" << pair("length", r.length) << ", " << pair("causal", r.causal ? "true" : "false")
+      << ", " << pair("split", text(attn::distributed::split_name(r.split))) << ", "
+      << pair("single_seconds", r.single_seconds) << ", " << pair("ring_seconds", r.ring_seconds)
+      << ", " << pair("ring_compute_seconds", r.compute_seconds) << ", "
+      << pair("ring_wait_seconds", r.wait_seconds) << ", "
+      << pair("transfers_alone_seconds", r.transfer_seconds) << ", "
+      << pair("bytes_sent_per_rank", r.bytes_sent) << ", "
+      << pair("blocks_computed", r.blocks_computed) << ", " << pair("flops", r.flops) << ", "
+      << pair("max_difference", r.max_difference) << "}" << (n + 1 < records.size() ? "," : "")
       << "\n";
   }
   s << "  ]\n}\n";
@@ -246,8 +257,9 @@ std::string json_of(const std::vector<Record>& records, int ranks, int repetitio
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+namespace {
+
+int run(int argc, char** argv) {
   int rank = 0, ranks = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
@@ -296,6 +308,20 @@ int main(int argc, char** argv) {
   if (rank == 0 && !json_path.empty()) {
     std::ofstream(json_path) << json_of(records, ranks, repetitions);
     std::printf("wrote %s\n", json_path.c_str());
+  }
+  return status;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int status = 1;
+  try {
+    status = run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_distributed_ring: %s\n", e.what());
+    MPI_Abort(MPI_COMM_WORLD, 1);
   }
   MPI_Finalize();
   return status;
