@@ -204,9 +204,9 @@ Record measure(Index length, bool causal, SequenceSplit split, int repetitions) 
   layout.k_rows.reserve(static_cast<std::size_t>(P));
   for (int s = 0; s < P; ++s)
     layout.k_rows.push_back(attn::distributed::local_length(split, length, P, s));
-  std::vector<double> alone;
-  for (int rep = 0; rep < repetitions; ++rep)
-    alone.push_back(transfers_alone(layout));
+  std::vector<double> alone(static_cast<std::size_t>(repetitions));
+  for (double& seconds : alone)
+    seconds = transfers_alone(layout);
   r.transfer_seconds = median(alone);
   // The FLOPs of the whole problem (4 L^2 D H, half of it under the causal mask).
   r.flops = 4.0 * double(length) * double(length) * dim * heads * (causal ? 0.5 : 1.0);
