@@ -10,8 +10,9 @@
 //   pass 2  validate: the ring's rows against the single-process rows (max |difference|);
 //   pass 3  the single-process call on rank 0 with P OpenMP threads (the other ranks sleep in
 //           a polled MPI_Ibarrier, so that they leave it the cores);
-//   pass 4  the ring, one thread a rank: wall time (the slowest rank), its compute time, the
-//           time blocked waiting for transfers, the bytes sent;
+//   pass 4  the ring, one thread a rank: wall time (the slowest rank), and on the rank that
+//           computed longest (the critical path) its compute time and the time it was blocked
+//           waiting for transfers; the bytes sent;
 //   pass 5  the transfers alone: the same MPI_Isend / MPI_Irecv of one K/V block per step
 //           with nothing to compute, whose time the ring would add if it hid nothing.
 // Hidden share = 1 - wait / transfers alone. Medians of the repetitions. ATTN_BENCH_SMOKE=1
@@ -185,8 +186,16 @@ Record measure(Index length, bool causal, SequenceSplit split, int repetitions) 
     MPI_Barrier(MPI_COMM_WORLD);
     ring();
     wall.push_back(max_over_ranks(stats.total_seconds));
-    compute.push_back(max_over_ranks(stats.compute_seconds));
-    wait.push_back(max_over_ranks(stats.wait_seconds));
+    // The critical rank (the longest compute): its wait is communication the ring exposed;
+    // the others' waits include waiting for it (load imbalance).
+    const double mine[2] = {stats.compute_seconds, stats.wait_seconds};
+    std::vector<double> all(2 * static_cast<std::size_t>(P));
+    MPI_Allgather(mine, 2, MPI_DOUBLE, all.data(), 2, MPI_DOUBLE, MPI_COMM_WORLD);
+    std::size_t critical = 0;
+    for (std::size_t n = 1; n < static_cast<std::size_t>(P); ++n)
+      critical = all[2 * n] > all[2 * critical] ? n : critical;
+    compute.push_back(all[2 * critical]);
+    wait.push_back(all[2 * critical + 1]);
   }
   r.ring_seconds = median(wall);
   r.compute_seconds = median(compute);

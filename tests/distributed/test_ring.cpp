@@ -24,7 +24,7 @@ using attn::distributed::token_runs;
 using namespace attn_dist_test;
 
 /// The ring's rows of one case against the single-process call and the reference.
-void check_forward(const RingCase& c, SequenceSplit split) {
+void check_forward(const RingCase& c, SequenceSplit split, Index query_chunk) {
   const int P = comm_size(), rank = comm_rank();
   const auto q = random_tensor<float>(c.B, c.Hq, c.Lq, c.D, 1);
   const auto k = random_tensor<float>(c.B, c.Hkv, c.Lk, c.D, 2);
@@ -34,7 +34,7 @@ void check_forward(const RingCase& c, SequenceSplit split) {
   attn::distributed::RingStats stats;
   const auto ring = attn::distributed::ring_attention<float>(
       local_rows(q, q_runs), local_rows(k, k_runs), local_rows(v, k_runs), c.options,
-      {split, &stats}, MPI_COMM_WORLD, attn::Return::logsumexp);
+      {split, &stats, query_chunk}, MPI_COMM_WORLD, attn::Return::logsumexp);
   const auto single =
       attn::scaled_dot_product_attention(q, k, v, c.options, attn::Return::logsumexp);
   const ref::Problem p = reference_problem(c.options, c.B, c.Hq, c.Hkv, c.Lq, c.Lk, c.D, c.Dv);
@@ -47,7 +47,8 @@ void check_forward(const RingCase& c, SequenceSplit split) {
   const auto mine = [&](const auto& global, Index width) {
     return local_values(global, c.B, c.Hq, c.Lq, width, q_runs);
   };
-  INFO(c.name << ", " << attn::distributed::split_name(split) << ", rank " << rank << " of " << P);
+  INFO(c.name << ", " << attn::distributed::split_name(split) << ", query chunk " << query_chunk
+              << ", rank " << rank << " of " << P);
   const double out_error = max_error(as_vector(ring.out), mine(truth.out, c.Dv));
   const double lse_error = max_error(as_vector(ring.logsumexp), mine(truth.lse, 1));
   INFO("out error " << out_error << " (bound " << out_bound << "), lse error " << lse_error
@@ -64,8 +65,10 @@ void check_forward(const RingCase& c, SequenceSplit split) {
 TEST_CASE("ring attention equals the single-process call for every option and split",
           "[distributed][ring]") {
   for (const RingCase& c : ring_cases()) {
-    check_forward(c, SequenceSplit::contiguous);
-    check_forward(c, SequenceSplit::zigzag);
+    for (const Index chunk : {Index(0), Index(5)}) {  // whole runs, and calls of 5 query rows
+      check_forward(c, SequenceSplit::contiguous, chunk);
+      check_forward(c, SequenceSplit::zigzag, chunk);
+    }
   }
 }
 

@@ -25,7 +25,7 @@ using attn::distributed::SequenceSplit;
 using attn::distributed::token_runs;
 using namespace attn_dist_test;
 
-void check_backward(const RingCase& c, SequenceSplit split) {
+void check_backward(const RingCase& c, SequenceSplit split, Index query_chunk) {
   const int P = comm_size(), rank = comm_rank();
   const auto q = random_tensor<float>(c.B, c.Hq, c.Lq, c.D, 11);
   const auto k = random_tensor<float>(c.B, c.Hkv, c.Lk, c.D, 12);
@@ -33,7 +33,7 @@ void check_backward(const RingCase& c, SequenceSplit split) {
   const auto dout = random_tensor<float>(c.B, c.Hq, c.Lq, c.Dv, 14);
   const auto q_runs = token_runs(split, c.Lq, P, rank);
   const auto k_runs = token_runs(split, c.Lk, P, rank);
-  const attn::distributed::RingOptions ring{split};
+  const attn::distributed::RingOptions ring{split, nullptr, query_chunk};
   const auto lq = local_rows(q, q_runs), lk = local_rows(k, k_runs), lv = local_rows(v, k_runs);
   const auto forward = attn::distributed::ring_attention<float>(
       lq, lk, lv, c.options, ring, MPI_COMM_WORLD, attn::Return::logsumexp);
@@ -49,7 +49,8 @@ void check_backward(const RingCase& c, SequenceSplit split) {
                                                  as_long_double(v), as_long_double(dout));
   const auto plain = ref::gradients<float>(p, as_long_double(q), as_long_double(k),
                                            as_long_double(v), as_long_double(dout));
-  INFO(c.name << ", " << attn::distributed::split_name(split) << ", rank " << rank << " of " << P);
+  INFO(c.name << ", " << attn::distributed::split_name(split) << ", query chunk " << query_chunk
+              << ", rank " << rank << " of " << P);
   const auto check = [&](const char* name, const auto& actual, const auto& true_values,
                          const auto& plain_values, const auto& single_values, Index heads,
                          Index length, Index width, const auto& runs) {
@@ -74,8 +75,10 @@ void check_backward(const RingCase& c, SequenceSplit split) {
 TEST_CASE("ring attention's backward equals the single-process backward for every option",
           "[distributed][ring][backward]") {
   for (const RingCase& c : ring_cases()) {
-    check_backward(c, SequenceSplit::contiguous);
-    check_backward(c, SequenceSplit::zigzag);
+    for (const Index chunk : {Index(0), Index(5)}) {  // whole runs, and calls of 5 query rows
+      check_backward(c, SequenceSplit::contiguous, chunk);
+      check_backward(c, SequenceSplit::zigzag, chunk);
+    }
   }
 }
 

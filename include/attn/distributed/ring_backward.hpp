@@ -191,8 +191,9 @@ void ring_attention_backward_into(
       error = e.what();
     }
   }
-  const detail::RingLayout layout =
+  detail::RingLayout layout =
       detail::agree_on_ring(function, comm, q, k, v, options, ring.split, error);
+  layout.query_chunk = std::max(Index(0), ring.query_chunk);
   if (ring.stats != nullptr)
     *ring.stats = RingStats{};
   detail::run_ring_backward<T>(function, comm, layout, {q, k, v, out, dout, logsumexp}, grads,

@@ -36,6 +36,10 @@ namespace attn::distributed {
 struct RingOptions {
   SequenceSplit split = SequenceSplit::contiguous;  ///< the same split for queries and keys
   RingStats* stats = nullptr;                       ///< filled in when given
+  /// Query rows per attention call (0: a whole run): between calls the ring lets MPI move
+  /// the transfers along, so a block is not one long call (measured: docs/distributed.md).
+  /// Changes the rounding, not the result; need not agree across ranks.
+  Index query_chunk = 512;
 };
 
 namespace detail {
@@ -66,6 +70,7 @@ struct RingLayout {
   Index q_length = 0, k_length = 0;                   // global Lq, Lk
   std::vector<std::vector<TokenRun>> q_runs, k_runs;  // per rank
   std::vector<Index> k_rows;                          // per rank: lk_r
+  Index query_chunk = 0;                              // query rows a call (0: a whole run)
 
   int next() const { return (rank + 1) % ranks; }
   int previous() const { return (rank + ranks - 1) % ranks; }
@@ -283,7 +288,16 @@ int for_each_piece(const RingLayout& layout, int source, const AttentionOptions<
   piece_options.scale = attn::detail::resolve_scale("ring", options.scale, layout.dim);
   const std::vector<BatchGroup> groups = batch_groups(options, layout.batch);
   int calls = 0;
+  // This rank's query runs, cut into chunks of query_chunk rows.
+  std::vector<TokenRun> chunks;
   for (const TokenRun& qr : layout.q_runs[static_cast<std::size_t>(layout.rank)]) {
+    const Index step = layout.query_chunk > 0 ? layout.query_chunk : qr.size();
+    for (Index first = 0; first < qr.size(); first += step) {
+      const Index n = std::min(step, qr.size() - first);
+      chunks.push_back({qr.begin + first, qr.begin + first + n, qr.local_begin + first});
+    }
+  }
+  for (const TokenRun& qr : chunks) {
     for (const TokenRun& kr : layout.k_runs[static_cast<std::size_t>(source)]) {
       for (const BatchGroup& g : groups) {
         const SequenceRules rules = sequence_rules(options, layout, g.first);
