@@ -7,14 +7,15 @@
 // Problem: B 1, Hq = Hkv = 8, D = Dv = 128, float; causal with the zigzag split, and not
 // causal with the contiguous split. For each length:
 //   pass 1  the inputs: every rank builds the global q, k, v (fixed seed) and cuts its runs;
-//   pass 2  validate: the ring's rows against the single-process rows (max |difference|);
+//   pass 2  a first ring (warm-up);
 //   pass 3  the single-process call on rank 0 with P OpenMP threads (the other ranks sleep in
-//           a polled MPI_Ibarrier, so that they leave it the cores);
+//           a polled MPI_Ibarrier, so that they leave it the cores), interleaved with pass 4;
 //   pass 4  the ring, one thread a rank: wall time (the slowest rank), and on the rank that
 //           computed longest (the critical path) its compute time and the time it was blocked
 //           waiting for transfers; the bytes sent;
 //   pass 5  the transfers alone: the same MPI_Isend / MPI_Irecv of one K/V block per step
 //           with nothing to compute, whose time the ring would add if it hid nothing.
+// Then the ring's rows are validated against the single-process rows (max |difference|).
 // Hidden share = 1 - wait / transfers alone. Medians of the repetitions. ATTN_BENCH_SMOKE=1
 // (ctest): tiny sizes, one repetition, no file.
 #include <mpi.h>
@@ -154,8 +155,9 @@ Record measure(Index length, bool causal, SequenceSplit split, int repetitions) 
   // pass 2: one ring (a warm-up, and the rows to validate)
   set_threads(1);
   ring();
-  // pass 3: the single-process call, P threads on rank 0
-  std::vector<double> single_times;
+  // passes 3 and 4, interleaved (A/B) so that a change of the machine's load between them
+  // falls on both: the single-process call with P threads on rank 0, then the ring.
+  std::vector<double> single_times, wall, compute, wait;
   for (int rep = 0; rep < repetitions; ++rep) {
     if (rank == 0) {
       set_threads(P);
@@ -167,23 +169,6 @@ Record measure(Index length, bool causal, SequenceSplit split, int repetitions) 
       set_threads(1);
     }
     sleeping_barrier();
-  }
-  r.single_seconds = rank == 0 ? median(single_times) : 0;
-  MPI_Bcast(&r.single_seconds, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
-  // validate: each rank's rows of the ring against rank 0's single-process rows
-  MPI_Bcast(single.data(), static_cast<int>(single.size()), MPI_FLOAT, 0, MPI_COMM_WORLD);
-  double difference = 0;
-  for (Index h = 0; h < heads; ++h)
-    for (const auto& run : runs)
-      for (Index i = 0; i < run.size(); ++i)
-        for (Index e = 0; e < dim; ++e)
-          difference = std::max(difference, double(std::abs(out(0, h, run.local_begin + i, e) -
-                                                            single(0, h, run.begin + i, e))));
-  r.max_difference = max_over_ranks(difference);
-  // pass 4: the ring, one thread a rank
-  std::vector<double> wall, compute, wait;
-  for (int rep = 0; rep < repetitions; ++rep) {
-    MPI_Barrier(MPI_COMM_WORLD);
     ring();
     wall.push_back(max_over_ranks(stats.total_seconds));
     // The critical rank (the longest compute): its wait is communication the ring exposed;
@@ -197,6 +182,18 @@ Record measure(Index length, bool causal, SequenceSplit split, int repetitions) 
     compute.push_back(all[2 * critical]);
     wait.push_back(all[2 * critical + 1]);
   }
+  r.single_seconds = rank == 0 ? median(single_times) : 0;
+  MPI_Bcast(&r.single_seconds, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  // validate: each rank's rows of the ring against rank 0's single-process rows
+  MPI_Bcast(single.data(), static_cast<int>(single.size()), MPI_FLOAT, 0, MPI_COMM_WORLD);
+  double difference = 0;
+  for (Index h = 0; h < heads; ++h)
+    for (const auto& run : runs)
+      for (Index i = 0; i < run.size(); ++i)
+        for (Index e = 0; e < dim; ++e)
+          difference = std::max(difference, double(std::abs(out(0, h, run.local_begin + i, e) -
+                                                            single(0, h, run.begin + i, e))));
+  r.max_difference = max_over_ranks(difference);
   r.ring_seconds = median(wall);
   r.compute_seconds = median(compute);
   r.wait_seconds = median(wait);
