@@ -2,7 +2,7 @@
 // the single-process call with P threads, on the same machine, in one run.
 //
 //   mpirun -np 2 build/dev/bench/bench_distributed_ring [--json results/distributed.json]
-//          [--lengths 8192,32768] [--repetitions 3]
+//          [--lengths 8192,32768] [--repetitions 3] [--query-chunk 512]
 //
 // Problem: B 1, Hq = Hkv = 8, D = Dv = 128, float; causal with the zigzag split, and not
 // causal with the contiguous split. For each length:
@@ -126,7 +126,7 @@ double transfers_alone(const attn::distributed::detail::RingLayout& layout) {
   return max_over_ranks(MPI_Wtime() - start);
 }
 
-Record measure(Index length, bool causal, SequenceSplit split, int repetitions) {
+Record measure(Index length, bool causal, SequenceSplit split, int repetitions, Index query_chunk) {
   const int P = [] {
     int p = 0;
     MPI_Comm_size(MPI_COMM_WORLD, &p);
@@ -148,9 +148,9 @@ Record measure(Index length, bool causal, SequenceSplit split, int repetitions) 
   attn::Tensor<float, 4> out(1, heads, lq.dimension(2), dim), single(1, heads, length, dim);
   attn::distributed::RingStats stats;
   const auto ring = [&] {
-    attn::distributed::ring_attention_into<float>(attn::bhld_view(lq), attn::bhld_view(lk),
-                                                  attn::bhld_view(lv), attn::bhld_view(out),
-                                                  options, {split, &stats}, MPI_COMM_WORLD);
+    attn::distributed::ring_attention_into<float>(
+        attn::bhld_view(lq), attn::bhld_view(lk), attn::bhld_view(lv), attn::bhld_view(out),
+        options, {split, &stats, query_chunk}, MPI_COMM_WORLD);
   };
   // pass 2: one ring (a warm-up, and the rows to validate)
   set_threads(1);
@@ -273,6 +273,7 @@ int run(int argc, char** argv) {
   const bool is_smoke = smoke != nullptr && std::string(smoke) == "1";
   std::vector<Index> lengths = is_smoke ? std::vector<Index>{256} : std::vector<Index>{8192, 32768};
   int repetitions = is_smoke ? 1 : 3;
+  Index query_chunk = attn::distributed::RingOptions{}.query_chunk;
   std::string json_path;
   for (int a = 1; a + 1 < argc; a += 2) {
     const std::string flag = argv[a], value = argv[a + 1];
@@ -280,6 +281,8 @@ int run(int argc, char** argv) {
       json_path = value;
     } else if (flag == "--repetitions") {
       repetitions = std::max(1, std::atoi(value.c_str()));
+    } else if (flag == "--query-chunk") {
+      query_chunk = std::atol(value.c_str());
     } else if (flag == "--lengths") {
       lengths.clear();
       std::stringstream list(value);
@@ -291,7 +294,7 @@ int run(int argc, char** argv) {
   for (const Index length : lengths) {
     for (const bool causal : {true, false}) {
       const SequenceSplit split = causal ? SequenceSplit::zigzag : SequenceSplit::contiguous;
-      const Record r = measure(length, causal, split, repetitions);
+      const Record r = measure(length, causal, split, repetitions, query_chunk);
       records.push_back(r);
       if (rank == 0) {
         const double hidden =
