@@ -159,8 +159,7 @@ void ring_attention_into(const HeadsView<const T>& q,  // (B, Hq, lq, D)
   std::string error = detail::local_ring_error(function, q, k, v, options);
   if (error.empty())
     error = detail::local_forward_error(function, q, k, v, outputs);
-  detail::RingLayout layout =
-      detail::agree_on_ring(function, comm, q, k, v, options, ring.split, error);
+  detail::RingLayout layout = detail::agree_on_ring(function, comm, q, k, v, options, ring, error);
   layout.query_chunk = std::max(Index(0), ring.query_chunk);
   std::vector<T> own_lse;
   RowsView<T> lse;

@@ -191,8 +191,7 @@ void ring_attention_backward_into(
       error = e.what();
     }
   }
-  detail::RingLayout layout =
-      detail::agree_on_ring(function, comm, q, k, v, options, ring.split, error);
+  detail::RingLayout layout = detail::agree_on_ring(function, comm, q, k, v, options, ring, error);
   layout.query_chunk = std::max(Index(0), ring.query_chunk);
   if (ring.stats != nullptr)
     *ring.stats = RingStats{};

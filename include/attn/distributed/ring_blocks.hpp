@@ -9,7 +9,9 @@
 // Every option is global: causal (both alignments, measured on Lq and Lk), window, key and
 // query lengths (B entries, global), sink tokens, learned sinks, scale, softcap, algorithm,
 // tiles. The options that name positions by the local view (keep_mask, bias, ALiBi,
-// score_mod, mask_mod, block_mask) and dropout are refused, as are packed views.
+// score_mod, mask_mod, block_mask) and dropout are refused, as are packed views: packed
+// sequences are RingOptions::cu_seqlens_q and cu_seqlens_k over the global token streams,
+// each block then cut by sequence before it is cut into pieces.
 //
 // Extra memory: none beyond the layout (the callers state theirs).
 #pragma once
@@ -40,6 +42,12 @@ struct RingOptions {
   /// the transfers along, so a block is not one long call (measured: docs/distributed.md).
   /// Changes the rounding, not the result; need not agree across ranks.
   Index query_chunk = 512;
+  /// Packed sequences (FlashAttention's varlen): the offsets (B + 1) of B sequences in the
+  /// global stream of Lq query tokens and of Lk key tokens, the same on every rank; empty:
+  /// not packed. The split then deals the token streams, the local views are (1, H, l, D) of
+  /// this rank's tokens, and every option applies per sequence (key_lengths and
+  /// query_lengths must be empty). Both or neither.
+  std::vector<Index> cu_seqlens_q{}, cu_seqlens_k{};
 };
 
 namespace detail {
@@ -71,6 +79,7 @@ struct RingLayout {
   std::vector<std::vector<TokenRun>> q_runs, k_runs;  // per rank
   std::vector<Index> k_rows;                          // per rank: lk_r
   Index query_chunk = 0;                              // query rows a call (0: a whole run)
+  std::vector<Index> cu_q, cu_k;                      // packed: (B + 1) offsets, else empty
 
   int next() const { return (rank + 1) % ranks; }
   int previous() const { return (rank + ranks - 1) % ranks; }
@@ -114,8 +123,9 @@ std::vector<SignatureField> ring_signature(const HeadsView<const T>& q,  // (B, 
                                            const HeadsView<const T>& k,  // (B, Hkv, lk, D)
                                            const HeadsView<const T>& v,  // (B, Hkv, lk, Dv)
                                            const AttentionOptions<T>& options,
-                                           SequenceSplit split) {
+                                           const RingOptions& ring) {
   const auto i64 = [](auto x) { return static_cast<std::int64_t>(x); };
+  const SequenceSplit split = ring.split;
   return {{"B", i64(q.batch)},
           {"Hq", i64(q.heads)},
           {"Hkv", i64(k.heads)},
@@ -136,14 +146,21 @@ std::vector<SignatureField> ring_signature(const HeadsView<const T>& q,  // (B, 
           {"options.softcap", double_bits(double(options.softcap.value_or(T(0)))), true, true},
           {"options.algorithm", i64(options.algorithm)},
           {"options.compute", i64(options.compute)},
+          {"ring.cu_seqlens_q.size()", i64(ring.cu_seqlens_q.size())},
+          {"ring.cu_seqlens_k.size()", i64(ring.cu_seqlens_k.size())},
           {"lq (this rank's queries)", i64(q.length), false},
           {"lk (this rank's keys)", i64(k.length), false}};
 }
 
 /// The option vectors, once their sizes agree.
 template <class T>
-std::vector<SignatureField> ring_vectors(const AttentionOptions<T>& options) {
+std::vector<SignatureField> ring_vectors(const AttentionOptions<T>& options,
+                                         const RingOptions& ring) {
   std::vector<SignatureField> fields;
+  for (const Index n : ring.cu_seqlens_q)
+    fields.push_back({"ring.cu_seqlens_q[b]", static_cast<std::int64_t>(n)});
+  for (const Index n : ring.cu_seqlens_k)
+    fields.push_back({"ring.cu_seqlens_k[b]", static_cast<std::int64_t>(n)});
   for (const Index n : options.key_lengths)
     fields.push_back({"options.key_lengths[b]", static_cast<std::int64_t>(n)});
   for (const Index n : options.query_lengths)
@@ -155,6 +172,30 @@ std::vector<SignatureField> ring_vectors(const AttentionOptions<T>& options) {
   return fields;
 }
 
+/// Throws unless packed sequences are given whole: both offsets, B = 1, no lengths, offsets
+/// of the global streams (the same on every rank: the arguments agree by then).
+template <class T>
+void check_packed_ring(const char* function, const RingLayout& layout,
+                       const AttentionOptions<T>& options, const RingOptions& ring) {
+  if (ring.cu_seqlens_q.size() != ring.cu_seqlens_k.size()) {
+    attn::detail::throw_invalid_argument(
+        function, "ring.cu_seqlens_q has " + std::to_string(ring.cu_seqlens_q.size()) +
+                      " entries but ring.cu_seqlens_k " + std::to_string(ring.cu_seqlens_k.size()) +
+                      ": give both, B + 1 each");
+  }
+  if (layout.batch != 1 || !options.key_lengths.empty() || !options.query_lengths.empty()) {
+    attn::detail::throw_invalid_argument(
+        function,
+        "packed sequences (ring.cu_seqlens_q) need B = 1 (the views are (1, H, l, D) "
+        "of this rank's tokens; B is " +
+            std::to_string(layout.batch) + ") and no options.key_lengths or options.query_lengths");
+  }
+  attn::detail::check_sequence_offsets(function, "ring.cu_seqlens_q", ring.cu_seqlens_q,
+                                       layout.q_length);
+  attn::detail::check_sequence_offsets(function, "ring.cu_seqlens_k", ring.cu_seqlens_k,
+                                       layout.k_length);
+}
+
 /// The agreement of a ring call (agreement.hpp) and its layout: every rank throws the same
 /// error when one failed its local checks (`local_error`), when shapes or options differ, or
 /// when a rank's lengths are not those of the split; then the global options are validated
@@ -164,11 +205,12 @@ RingLayout agree_on_ring(const char* function, MPI_Comm comm,
                          const HeadsView<const T>& q,  // (B, Hq, lq, D)
                          const HeadsView<const T>& k,  // (B, Hkv, lk, D)
                          const HeadsView<const T>& v,  // (B, Hkv, lk, Dv)
-                         const AttentionOptions<T>& options, SequenceSplit split,
+                         const AttentionOptions<T>& options, const RingOptions& ring,
                          const std::string& local_error) {
-  const std::vector<SignatureField> fields = ring_signature(q, k, v, options, split);
+  const SequenceSplit split = ring.split;
+  const std::vector<SignatureField> fields = ring_signature(q, k, v, options, ring);
   const RankValues all = agree_or_throw(function, comm, fields, local_error);
-  agree_or_throw(function, comm, ring_vectors(options), "");
+  agree_or_throw(function, comm, ring_vectors(options, ring), "");
   RingLayout layout;
   layout.ranks = all.ranks;
   MPI_Comm_rank(comm, &layout.rank);
@@ -198,6 +240,10 @@ RingLayout agree_on_ring(const char* function, MPI_Comm comm,
                         " and " + std::to_string(lk));
     }
   }
+  if (!ring.cu_seqlens_q.empty() || !ring.cu_seqlens_k.empty())
+    check_packed_ring(function, layout, options, ring);
+  layout.cu_q = ring.cu_seqlens_q;
+  layout.cu_k = ring.cu_seqlens_k;
   // The global problem's own checks (windows, lengths, sinks), equal on every rank.
   const AttentionProblem<T> problem(function, layout.batch, layout.q_heads, layout.q_length,
                                     layout.k_length, options);
@@ -297,23 +343,48 @@ int for_each_piece(const RingLayout& layout, int source, const AttentionOptions<
       chunks.push_back({qr.begin + first, qr.begin + first + n, qr.local_begin + first});
     }
   }
+  const auto emit = [&](Index b0, Index nb, const SequenceRules& rules, const TokenRun& qr,
+                        Index q0, const TokenRun& kr, Index k0) {
+    // Block pieces of rows from q0 and keys from k0 in the sequence's own coordinates.
+    for (const BlockPiece& p : block_pieces(rules, q0, qr.size(), k0, kr.size())) {
+      PieceCall<T> call{b0,
+                        nb,
+                        qr.local_begin + p.row_begin,
+                        p.row_end - p.row_begin,
+                        kr.local_begin + p.key_begin,
+                        p.key_end - p.key_begin,
+                        piece_options};
+      call.options.causal = p.causal;
+      call.options.window = p.window;
+      run(call);
+      ++calls;
+    }
+  };
+  if (!layout.cu_q.empty()) {  // packed: each sequence's share of the two runs
+    for (const TokenRun& qr : chunks) {
+      for (const TokenRun& kr : layout.k_runs[static_cast<std::size_t>(source)]) {
+        for (std::size_t b = 0; b + 1 < layout.cu_q.size(); ++b) {
+          const Index qa = std::max(qr.begin, layout.cu_q[b]);
+          const Index qb = std::min(qr.end, layout.cu_q[b + 1]);
+          const Index ka = std::max(kr.begin, layout.cu_k[b]);
+          const Index kb = std::min(kr.end, layout.cu_k[b + 1]);
+          if (qa >= qb || ka >= kb)
+            continue;
+          SequenceRules rules = sequence_rules(options, layout, 0);
+          rules.query_length = layout.cu_q[b + 1] - layout.cu_q[b];
+          rules.key_length = layout.cu_k[b + 1] - layout.cu_k[b];
+          emit(0, 1, rules, {qa, qb, qr.local_begin + qa - qr.begin}, qa - layout.cu_q[b],
+               {ka, kb, kr.local_begin + ka - kr.begin}, ka - layout.cu_k[b]);
+        }
+      }
+    }
+    return calls;
+  }
   for (const TokenRun& qr : chunks) {
     for (const TokenRun& kr : layout.k_runs[static_cast<std::size_t>(source)]) {
       for (const BatchGroup& g : groups) {
-        const SequenceRules rules = sequence_rules(options, layout, g.first);
-        for (const BlockPiece& p : block_pieces(rules, qr.begin, qr.size(), kr.begin, kr.size())) {
-          PieceCall<T> call{g.first,
-                            g.end - g.first,
-                            qr.local_begin + p.row_begin,
-                            p.row_end - p.row_begin,
-                            kr.local_begin + p.key_begin,
-                            p.key_end - p.key_begin,
-                            piece_options};
-          call.options.causal = p.causal;
-          call.options.window = p.window;
-          run(call);
-          ++calls;
-        }
+        emit(g.first, g.end - g.first, sequence_rules(options, layout, g.first), qr, qr.begin, kr,
+             kr.begin);
       }
     }
   }

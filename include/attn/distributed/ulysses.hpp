@@ -87,7 +87,7 @@ void ulysses_attention_into(const HeadsView<const T>& q,  // (B, Hq, lq, D)
   if (error.empty())
     error = detail::local_forward_error(function, q, k, v, outputs);
   const detail::RingLayout layout =
-      detail::agree_on_ring(function, comm, q, k, v, options, split, error);
+      detail::agree_on_ring(function, comm, q, k, v, options, RingOptions{split}, error);
   const AttentionOptions<T> group = detail::head_group_options(function, layout, options);
   std::vector<T> qf = detail::sequence_to_heads(function, comm, q, layout.q_runs, layout.q_length);
   std::vector<T> kf = detail::sequence_to_heads(function, comm, k, layout.k_runs, layout.k_length);
@@ -146,7 +146,7 @@ void ulysses_attention_backward_into(
     }
   }
   const detail::RingLayout layout =
-      detail::agree_on_ring(function, comm, q, k, v, options, split, error);
+      detail::agree_on_ring(function, comm, q, k, v, options, RingOptions{split}, error);
   const AttentionOptions<T> group = detail::head_group_options(function, layout, options);
   const Index Lq = layout.q_length, Lk = layout.k_length, D = layout.dim, Dv = layout.value_dim;
   const Index Hq = layout.q_heads, Hkv = layout.kv_heads;
