@@ -140,3 +140,48 @@ TEST_CASE("ring attention's backward: every rank throws when one rank's argument
                                                                       ring, MPI_COMM_WORLD),
                     Catch::Contains("options.window.left is -1 on rank 0 but 3 on rank 1"));
 }
+
+TEST_CASE("ring attention in double: forward and backward within the double bound",
+          "[distributed][ring][backward]") {
+  const int P = comm_size(), rank = comm_rank();
+  const Index Hq = 4, Hkv = 2, L = 45, D = 8;
+  const auto q = random_tensor<double>(1, Hq, L, D, 51);
+  const auto k = random_tensor<double>(1, Hkv, L, D, 52);
+  const auto v = random_tensor<double>(1, Hkv, L, D, 53);
+  const auto dout = random_tensor<double>(1, Hq, L, D, 54);
+  attn::AttentionOptions<double> o;
+  o.causal = attn::Causal::top_left;
+  o.window = {9, -1};
+  const auto runs = token_runs(SequenceSplit::zigzag, L, P, rank);
+  const attn::distributed::RingOptions ring{SequenceSplit::zigzag, nullptr, 7};
+  const auto lq = local_rows(q, runs), lk = local_rows(k, runs), lv = local_rows(v, runs);
+  const auto forward = attn::distributed::ring_attention<double>(
+      lq, lk, lv, o, ring, MPI_COMM_WORLD, attn::Return::logsumexp);
+  const auto grads = attn::distributed::ring_attention_backward<double>(
+      lq, lk, lv, forward.out, forward.logsumexp, local_rows(dout, runs), o, ring, MPI_COMM_WORLD);
+  ref::Problem p;
+  p.q_heads = Hq;
+  p.kv_heads = Hkv;
+  p.q_length = p.k_length = L;
+  p.dim = p.value_dim = D;
+  p.causal = ref::Causal::top_left;
+  p.window_left = 9;
+  const auto qe = as_long_double(q), ke = as_long_double(k), ve = as_long_double(v),
+             de = as_long_double(dout);
+  const auto truth = ref::attention<long double>(p, qe, ke, ve);
+  const auto plain = ref::attention<double>(p, qe, ke, ve);
+  const auto truth_g = ref::gradients<long double>(p, qe, ke, ve, de);
+  const auto plain_g = ref::gradients<double>(p, qe, ke, ve, de);
+  const auto within = [&](const auto& actual, const auto& t, const auto& pl, Index heads,
+                          Index width) {
+    const double bound = error_bound<double>(max_error(pl, t));
+    const double error = max_error(as_vector(actual), local_values(t, 1, heads, L, width, runs));
+    INFO("error " << error << ", bound " << bound);
+    CHECK(error <= bound);
+  };
+  within(forward.out, truth.out, plain.out, Hq, D);
+  within(forward.logsumexp, truth.lse, plain.lse, Hq, 1);
+  within(grads.dq, truth_g.dq, plain_g.dq, Hq, D);
+  within(grads.dk, truth_g.dk, plain_g.dk, Hkv, D);
+  within(grads.dv, truth_g.dv, plain_g.dv, Hkv, D);
+}

@@ -13,6 +13,10 @@
 
 #include "distributed/support.hpp"
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 namespace {
 
 using attn::Index;
@@ -116,4 +120,31 @@ TEST_CASE("all-to-all heads: heads that do not divide by the ranks are refused b
                     Catch::Contains("ulysses_attention: Hq = 3 and Hkv = 1 must both be "
                                     "multiples of the number of ranks, " +
                                     std::to_string(P)));
+}
+
+TEST_CASE("all-to-all heads gives the same bits on every run and for any thread count",
+          "[distributed][ulysses]") {
+  const int P = comm_size(), rank = comm_rank();
+  const Index L = 150, Hq = 8, Hkv = 4, D = 16;
+  const auto runs = token_runs(SequenceSplit::zigzag, L, P, rank);
+  const auto q = local_rows(random_tensor<float>(1, Hq, L, D, 37), runs);
+  const auto kv = local_rows(random_tensor<float>(1, Hkv, L, D, 38), runs);
+  attn::AttentionOptions<float> o;
+  o.causal = attn::Causal::top_left;
+  const auto run = [&] {
+    attn::Tensor<float, 4> out(1, Hq, q.dimension(2), D);
+    attn::distributed::ulysses_attention_into<float>(attn::bhld_view(q), attn::bhld_view(kv),
+                                                     attn::bhld_view(kv), attn::bhld_view(out), o,
+                                                     SequenceSplit::zigzag, MPI_COMM_WORLD);
+    return out;
+  };
+  const auto first = run();
+  CHECK(same_bits(first, run()));
+#if defined(_OPENMP)
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(2);
+  const auto two = run();
+  omp_set_num_threads(threads);
+  CHECK(same_bits(first, two));
+#endif
 }
