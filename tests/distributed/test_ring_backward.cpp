@@ -34,16 +34,18 @@ void check_backward(const RingCase& c, SequenceSplit split, Index query_chunk) {
   const auto q_runs = token_runs(split, c.Lq, P, rank);
   const auto k_runs = token_runs(split, c.Lk, P, rank);
   const attn::distributed::RingOptions ring{split, nullptr, query_chunk};
+  const bool sinks = !c.options.sinks.empty();
   const auto lq = local_rows(q, q_runs), lk = local_rows(k, k_runs), lv = local_rows(v, k_runs);
   const auto forward = attn::distributed::ring_attention<float>(
       lq, lk, lv, c.options, ring, MPI_COMM_WORLD, attn::Return::logsumexp);
   const auto grads = attn::distributed::ring_attention_backward<float>(
       lq, lk, lv, forward.out, forward.logsumexp, local_rows(dout, q_runs), c.options, ring,
-      MPI_COMM_WORLD);
+      MPI_COMM_WORLD, sinks ? attn::Return::dsinks : attn::Return::nothing_else);
   const auto single =
       attn::scaled_dot_product_attention(q, k, v, c.options, attn::Return::logsumexp);
   const auto single_grads = attn::scaled_dot_product_attention_backward(
-      q, k, v, single.out, single.logsumexp, dout, c.options);
+      q, k, v, single.out, single.logsumexp, dout, c.options,
+      sinks ? attn::Return::dsinks : attn::Return::nothing_else);
   const ref::Problem p = reference_problem(c.options, c.B, c.Hq, c.Hkv, c.Lq, c.Lk, c.D, c.Dv);
   const auto truth = ref::gradients<long double>(p, as_long_double(q), as_long_double(k),
                                                  as_long_double(v), as_long_double(dout));
@@ -68,6 +70,15 @@ void check_backward(const RingCase& c, SequenceSplit split, Index query_chunk) {
   check("dq", grads.dq, truth.dq, plain.dq, single_grads.dq, c.Hq, c.Lq, c.D, q_runs);
   check("dk", grads.dk, truth.dk, plain.dk, single_grads.dk, c.Hkv, c.Lk, c.D, k_runs);
   check("dv", grads.dv, truth.dv, plain.dv, single_grads.dv, c.Hkv, c.Lk, c.Dv, k_runs);
+  if (sinks) {  // the same (Hq) on every rank: the whole sequence's
+    const double bound = error_bound<float>(max_error(plain.dsinks, truth.dsinks));
+    const double error = max_error(grads.dsinks, truth.dsinks);
+    const double from_single = max_error(grads.dsinks, single_grads.dsinks);
+    INFO("dsinks: error " << error << ", against one process " << from_single << ", bound "
+                          << bound);
+    CHECK(error <= bound);
+    CHECK(from_single <= bound);
+  }
 }
 
 }  // namespace

@@ -44,14 +44,20 @@ void check_ulysses(const std::string& name, Index B, Index Lq, Index Lk,
   g.dk.resize(lk.dimensions());
   g.dv.resize(lv.dimensions());
   const auto ldout = local_rows(dout, q_runs);
+  attn::AttentionGradientViews<float> views{attn::bhld_view(g.dq), attn::bhld_view(g.dk),
+                                            attn::bhld_view(g.dv)};
+  const bool sinks = !o.sinks.empty();
+  if (sinks) {
+    g.dsinks.resize(o.sinks.size());
+    views.dsinks.emplace(g.dsinks.data(), static_cast<Index>(g.dsinks.size()));
+  }
   attn::distributed::ulysses_attention_backward_into<float>(
       attn::bhld_view(lq), attn::bhld_view(lk), attn::bhld_view(lv), attn::bhld_view(out),
-      attn::bhl_view(lse), attn::bhld_view(ldout),
-      {attn::bhld_view(g.dq), attn::bhld_view(g.dk), attn::bhld_view(g.dv)}, o, split,
-      MPI_COMM_WORLD);
+      attn::bhl_view(lse), attn::bhld_view(ldout), views, o, split, MPI_COMM_WORLD);
   const auto single = attn::scaled_dot_product_attention(q, k, v, o, attn::Return::logsumexp);
-  const auto single_grads =
-      attn::scaled_dot_product_attention_backward(q, k, v, single.out, single.logsumexp, dout, o);
+  const auto single_grads = attn::scaled_dot_product_attention_backward(
+      q, k, v, single.out, single.logsumexp, dout, o,
+      sinks ? attn::Return::dsinks : attn::Return::nothing_else);
   ref::Problem p = reference_problem(o, B, Hq, Hkv, Lq, Lk, D, Dv);
   for (const float slope : o.alibi_slopes)
     p.alibi_slopes.push_back(slope);
@@ -81,6 +87,12 @@ void check_ulysses(const std::string& name, Index B, Index Lq, Index Lk,
   check("dq", g.dq, truth_grads.dq, plain_grads.dq, single_grads.dq, Hq, Lq, D, q_runs);
   check("dk", g.dk, truth_grads.dk, plain_grads.dk, single_grads.dk, Hkv, Lk, D, k_runs);
   check("dv", g.dv, truth_grads.dv, plain_grads.dv, single_grads.dv, Hkv, Lk, Dv, k_runs);
+  if (sinks) {
+    const double bound = error_bound<float>(max_error(plain_grads.dsinks, truth_grads.dsinks));
+    INFO("dsinks: bound " << bound);
+    CHECK(max_error(g.dsinks, truth_grads.dsinks) <= bound);
+    CHECK(max_error(g.dsinks, single_grads.dsinks) <= bound);
+  }
 }
 
 }  // namespace

@@ -24,6 +24,8 @@
 
 #include <mpi.h>
 
+#include <cmath>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -97,6 +99,56 @@ int backward_step(const char* function, const RingLayout& layout, int source, co
   });
 }
 
+/// The learned sinks' gradient over every rank's rows, dsinks_h = -sum over b and the valid
+/// rows i of exp(z_h - lse_i) (dout_i . out_i) (docs/training.md), into `dsinks` (Hq) when
+/// given. Each rank sums its own rows in double; one MPI_Allgather of the Hq sums and their
+/// sum in rank order give every rank the same bits. Collective whenever options.sinks is
+/// given (agreed), whether or not this rank asked for dsinks.
+template <class T>
+void sink_gradients_across_ranks(const char* function, MPI_Comm comm, const RingLayout& layout,
+                                 const AttentionOptions<T>& options,
+                                 const HeadsView<const T>& out,   // (B, Hq, lq, Dv)
+                                 const HeadsView<const T>& dout,  // (B, Hq, lq, Dv)
+                                 const RowsView<const T>& lse,    // (B, Hq, lq)
+                                 const std::optional<Eigen::Map<Vector<T>>>& dsinks) {
+  if (options.sinks.empty())
+    return;
+  const Index Hq = layout.q_heads;
+  std::vector<double> mine(static_cast<std::size_t>(Hq), 0.0);
+  for (Index b = 0; b < layout.batch; ++b) {
+    const Index valid = options.query_lengths.empty()
+                            ? layout.q_length
+                            : options.query_lengths[static_cast<std::size_t>(b)];
+    for (Index h = 0; h < Hq; ++h) {
+      const double z = double(options.sinks[static_cast<std::size_t>(h)]);
+      for (const TokenRun& run : layout.q_runs[static_cast<std::size_t>(layout.rank)]) {
+        for (Index i = run.begin; i < std::min(run.end, valid); ++i) {
+          const Index row = run.local_begin + i - run.begin;
+          const double delta = (dout.head(b, h).row(row).template cast<double>().array() *
+                                out.head(b, h).row(row).template cast<double>().array())
+                                   .sum();
+          const double l = double(lse.data[b * lse.batch_stride + h * lse.head_stride + row]);
+          mine[static_cast<std::size_t>(h)] -= std::exp(z - l) * delta;
+        }
+      }
+    }
+  }
+  std::vector<double> all(mine.size() * static_cast<std::size_t>(layout.ranks));
+  check_mpi(function,
+            MPI_Allgather(mine.data(), static_cast<int>(Hq), MPI_DOUBLE, all.data(),
+                          static_cast<int>(Hq), MPI_DOUBLE, comm),
+            "MPI_Allgather of the sinks' gradients");
+  if (!dsinks)
+    return;
+  Eigen::Map<Vector<T>> out_sinks = *dsinks;  // a map of the caller's memory
+  for (Index h = 0; h < Hq; ++h) {
+    double sum = 0;
+    for (int r = 0; r < layout.ranks; ++r)
+      sum += all[static_cast<std::size_t>(r * Hq + h)];
+    out_sinks[h] = static_cast<T>(sum);
+  }
+}
+
 /// The ring of the backward, on validated arguments and the agreed layout.
 template <class T>
 void run_ring_backward(const char* function, MPI_Comm comm, const RingLayout& layout,
@@ -164,7 +216,8 @@ void run_ring_backward(const char* function, MPI_Comm comm, const RingLayout& la
 /// grads.dk (B, Hkv, lk, D) and grads.dv (B, Hkv, lk, Dv): `out` and `logsumexp` as
 /// ring_attention returned them for the same inputs, options and split. Collective, with the
 /// same agreement as the forward (every rank throws alike, before anything is written).
-/// dbias and dsinks are not available (bias is refused; learned sinks give dq, dk and dv).
+/// With learned sinks, grads.dsinks (Hq) when given: the sinks' gradient over the whole
+/// sequence, the same on every rank. dbias is not available (bias is refused).
 template <class T>
 void ring_attention_backward_into(
     const HeadsView<const T>& q,                                       // (B, Hq, lq, D)
@@ -181,10 +234,8 @@ void ring_attention_backward_into(
   std::string error = detail::local_ring_error(function, q, k, v, options);
   if (error.empty()) {
     try {
-      if (grads.dbias || grads.dsinks) {
-        attn::detail::throw_invalid_argument(
-            function, "grads.dbias and grads.dsinks are not available from a ring");
-      }
+      if (grads.dbias)
+        attn::detail::throw_invalid_argument(function, "grads.dbias is not available from a ring");
       attn::detail::check_backward_arguments(function, q, k, v, out, logsumexp, dout, grads,
                                              options);
     } catch (const std::invalid_argument& e) {
@@ -197,11 +248,14 @@ void ring_attention_backward_into(
     *ring.stats = RingStats{};
   detail::run_ring_backward<T>(function, comm, layout, {q, k, v, out, dout, logsumexp}, grads,
                                options, ring.stats);
+  detail::sink_gradients_across_ranks(function, comm, layout, options, out, dout, logsumexp,
+                                      grads.dsinks);
   if (ring.stats != nullptr)
     ring.stats->total_seconds = MPI_Wtime() - start;
 }
 
-/// ring_attention_backward_into on rank-4 row-major tensors: returns dq, dk and dv.
+/// ring_attention_backward_into on rank-4 row-major tensors: returns dq, dk and dv, and with
+/// Return::dsinks the learned sinks' gradient (Hq).
 template <class T>
 AttentionGradients<T> ring_attention_backward(const Tensor<T, 4>& q,          // (B, Hq, lq, D)
                                               const Tensor<T, 4>& k,          // (B, Hkv, lk, D)
@@ -210,14 +264,19 @@ AttentionGradients<T> ring_attention_backward(const Tensor<T, 4>& q,          //
                                               const Tensor<T, 3>& logsumexp,  // (B, Hq, lq)
                                               const Tensor<T, 4>& dout,       // (B, Hq, lq, Dv)
                                               const AttentionOptions<T>& options,
-                                              const RingOptions& ring, MPI_Comm comm) {
+                                              const RingOptions& ring, MPI_Comm comm,
+                                              Return returns = Return::nothing_else) {
   AttentionGradients<T> g;
   g.dq.resize(q.dimension(0), q.dimension(1), q.dimension(2), q.dimension(3));
   g.dk.resize(k.dimension(0), k.dimension(1), k.dimension(2), k.dimension(3));
   g.dv.resize(v.dimension(0), v.dimension(1), v.dimension(2), v.dimension(3));
-  ring_attention_backward_into<T>(
-      bhld_view(q), bhld_view(k), bhld_view(v), bhld_view(out), bhl_view(logsumexp),
-      bhld_view(dout), {bhld_view(g.dq), bhld_view(g.dk), bhld_view(g.dv)}, options, ring, comm);
+  AttentionGradientViews<T> views{bhld_view(g.dq), bhld_view(g.dk), bhld_view(g.dv)};
+  if (attn::detail::wants(returns, Return::dsinks)) {  // checked collectively with the rest
+    g.dsinks.resize(options.sinks.size());
+    views.dsinks.emplace(g.dsinks.data(), static_cast<Index>(g.dsinks.size()));
+  }
+  ring_attention_backward_into<T>(bhld_view(q), bhld_view(k), bhld_view(v), bhld_view(out),
+                                  bhl_view(logsumexp), bhld_view(dout), views, options, ring, comm);
   return g;
 }
 

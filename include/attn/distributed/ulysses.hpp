@@ -29,6 +29,7 @@
 #include "attn/config.hpp"
 #include "attn/distributed/head_exchange.hpp"
 #include "attn/distributed/ring.hpp"
+#include "attn/distributed/ring_backward.hpp"
 #include "attn/distributed/ring_blocks.hpp"
 #include "attn/options.hpp"
 #include "attn/outputs.hpp"
@@ -119,7 +120,8 @@ void ulysses_attention_into(const HeadsView<const T>& q,  // (B, Hq, lq, D)
 
 /// The gradients of ulysses_attention (the same as ring_attention_backward's: `out` and
 /// `logsumexp` of the forward), written into grads.dq (B, Hq, lq, D), grads.dk (B, Hkv, lk,
-/// D) and grads.dv (B, Hkv, lk, Dv). Collective over `comm`, with the ring's agreement.
+/// D) and grads.dv (B, Hkv, lk, Dv), and grads.dsinks (Hq) when given with learned sinks.
+/// Collective over `comm`, with the ring's agreement.
 template <class T>
 void ulysses_attention_backward_into(
     const HeadsView<const T>& q,                                       // (B, Hq, lq, D)
@@ -135,9 +137,9 @@ void ulysses_attention_backward_into(
   std::string error = detail::local_ring_error(function, q, k, v, options, true);
   if (error.empty()) {
     try {
-      if (grads.dbias || grads.dsinks) {
-        attn::detail::throw_invalid_argument(
-            function, "grads.dbias and grads.dsinks are not available from all-to-all heads");
+      if (grads.dbias) {
+        attn::detail::throw_invalid_argument(function,
+                                             "grads.dbias is not available from all-to-all heads");
       }
       attn::detail::check_backward_arguments(function, q, k, v, out, logsumexp, dout, grads,
                                              options);
@@ -169,6 +171,9 @@ void ulysses_attention_backward_into(
   detail::heads_to_sequence(function, comm, dqf, grads.dq, layout.q_runs, Lq);
   detail::heads_to_sequence(function, comm, dkf, grads.dk, layout.k_runs, Lk);
   detail::heads_to_sequence(function, comm, dvf, grads.dv, layout.k_runs, Lk);
+  // dsinks from this rank's rows of every head, as the ring's backward does.
+  detail::sink_gradients_across_ranks(function, comm, layout, options, out, dout, logsumexp,
+                                      grads.dsinks);
 }
 
 }  // namespace attn::distributed
