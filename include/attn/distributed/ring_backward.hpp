@@ -120,14 +120,15 @@ void sink_gradients_across_ranks(const char* function, MPI_Comm comm, const Ring
                             ? layout.q_length
                             : options.query_lengths[static_cast<std::size_t>(b)];
     for (Index h = 0; h < Hq; ++h) {
-      const double z = double(options.sinks[static_cast<std::size_t>(h)]);
+      const auto z = static_cast<double>(options.sinks[static_cast<std::size_t>(h)]);
       for (const TokenRun& run : layout.q_runs[static_cast<std::size_t>(layout.rank)]) {
         for (Index i = run.begin; i < std::min(run.end, valid); ++i) {
           const Index row = run.local_begin + i - run.begin;
           const double delta = (dout.head(b, h).row(row).template cast<double>().array() *
                                 out.head(b, h).row(row).template cast<double>().array())
                                    .sum();
-          const double l = double(lse.data[b * lse.batch_stride + h * lse.head_stride + row]);
+          const auto l =
+              static_cast<double>(lse.data[b * lse.batch_stride + h * lse.head_stride + row]);
           mine[static_cast<std::size_t>(h)] -= std::exp(z - l) * delta;
         }
       }
