@@ -200,3 +200,35 @@ TEST_CASE("ring attention: every rank throws when one rank's arguments differ",
                       Catch::Contains("options.alibi_slopes is given"));
   }
 }
+
+TEST_CASE("ring attention on a sub-communicator: each half of the ranks its own sequence",
+          "[distributed][ring]") {
+  const int world_rank = comm_rank();
+  // A data-parallel x context-parallel grid: ranks of one colour share one sequence.
+  const int colour = comm_size() >= 2 ? world_rank % 2 : 0;
+  MPI_Comm half = MPI_COMM_NULL;
+  MPI_Comm_split(MPI_COMM_WORLD, colour, world_rank, &half);
+  const int P = comm_size(half), rank = comm_rank(half);
+  const Index L = 41, H = 2, D = 8;
+  const auto unsigned_colour = static_cast<unsigned>(colour);
+  const auto q = random_tensor<float>(1, H, L, D, 60 + unsigned_colour);
+  const auto k = random_tensor<float>(1, H, L, D, 62 + unsigned_colour);
+  const auto v = random_tensor<float>(1, H, L, D, 64 + unsigned_colour);
+  attn::AttentionOptions<float> o;
+  o.causal = attn::Causal::top_left;
+  const auto runs = token_runs(SequenceSplit::zigzag, L, P, rank);
+  const auto ring = attn::distributed::ring_attention<float>(
+      local_rows(q, runs), local_rows(k, runs), local_rows(v, runs), o, {SequenceSplit::zigzag},
+      half);
+  const auto single = attn::scaled_dot_product_attention(q, k, v, o);
+  const ref::Problem p = reference_problem(o, 1, H, H, L, L, D, D);
+  const auto truth =
+      ref::attention<long double>(p, as_long_double(q), as_long_double(k), as_long_double(v));
+  const auto plain =
+      ref::attention<float>(p, as_long_double(q), as_long_double(k), as_long_double(v));
+  const double bound = error_bound<float>(max_error(plain.out, truth.out));
+  INFO("colour " << colour << ", rank " << rank << " of " << P);
+  CHECK(max_error(as_vector(ring.out), local_values(truth.out, 1, H, L, D, runs)) <= bound);
+  CHECK(max_error(as_vector(ring.out), local_values(as_vector(single), 1, H, L, D, runs)) <= bound);
+  MPI_Comm_free(&half);
+}

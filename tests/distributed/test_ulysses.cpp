@@ -99,6 +99,10 @@ void check_ulysses(const std::string& name, Index B, Index Lq, Index Lk,
 
 TEST_CASE("all-to-all heads equals the single-process forward and backward",
           "[distributed][ulysses]") {
+  if (4 % comm_size() != 0) {  // Hkv = 4 heads, split over the ranks
+    WARN("all-to-all heads needs 1, 2 or 4 ranks here: skipped");
+    return;
+  }
   for (const SequenceSplit split : {SequenceSplit::contiguous, SequenceSplit::zigzag}) {
     attn::AttentionOptions<float> o;
     check_ulysses("no mask, L 37", 1, 37, 37, o, split);
@@ -138,6 +142,10 @@ TEST_CASE("all-to-all heads gives the same bits on every run and for any thread 
           "[distributed][ulysses]") {
   const int P = comm_size(), rank = comm_rank();
   const Index L = 150, Hq = 8, Hkv = 4, D = 16;
+  if (Hkv % P != 0) {
+    WARN("all-to-all heads needs 1, 2 or 4 ranks here: skipped");
+    return;
+  }
   const auto runs = token_runs(SequenceSplit::zigzag, L, P, rank);
   const auto q = local_rows(random_tensor<float>(1, Hq, L, D, 37), runs);
   const auto kv = local_rows(random_tensor<float>(1, Hkv, L, D, 38), runs);
