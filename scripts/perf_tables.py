@@ -37,7 +37,7 @@ from collections import defaultdict
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 PAGES = ["README.md", "docs/performance.md", "docs/quantized-cache.md", "docs/tiny_lm.md",
-         "docs/serving.md", "docs/precision.md", "docs/mla.md"]
+         "docs/serving.md", "docs/precision.md", "docs/mla.md", "docs/distributed.md"]
 BEGIN = re.compile(r"^<!-- perf-table: ([\w-]+) -->$")
 END = "<!-- /perf-table -->"
 ISAS = ["generic", "avx2", "avx512"]
@@ -668,6 +668,87 @@ def table_readme():
     return lines
 
 
+def distributed_runs():
+    """results/distributed.json (bench/distributed/ring_vs_single.cpp): its context and runs."""
+    with open(RESULTS / "distributed.json", encoding="utf-8") as f:
+        data = json.load(f)
+    return data["context"], data["runs"]
+
+
+def hidden_share(run):
+    alone = run["transfers_alone_seconds"]
+    return max(0.0, 1.0 - run["ring_wait_seconds"] / alone) if alone > 0 else 1.0
+
+
+def table_distributed_ring():
+    context, measured = distributed_runs()
+    p = context["ranks"]
+    lines = source("distributed.json", probes=f"{context['problem']}, median of "
+                   f"{context['repetitions']} repetitions, the ring's times of its slowest rank")
+    lines += [f"| L | mask, split | one process, {p} threads | ring, {p} ranks x 1 thread | "
+              "one process over ring | ring compute | blocked on transfers | transfers alone | "
+              "communication hidden | sent a rank |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in measured:
+        mask = ("causal" if r["causal"] else "not causal") + ", " + r["split"]
+        lines.append(f"| {r['length']} | {mask} | {r['single_seconds']:.2f} s | "
+                     f"{r['ring_seconds']:.2f} s | {r['single_seconds'] / r['ring_seconds']:.2f}x | "
+                     f"{r['ring_compute_seconds']:.2f} s | {1e3 * r['ring_wait_seconds']:.1f} ms | "
+                     f"{1e3 * r['transfers_alone_seconds']:.1f} ms | {100 * hidden_share(r):.0f}% | "
+                     f"{r['bytes_sent_per_rank'] / 2**20:.0f} MiB |")
+    return lines
+
+
+# The model's assumptions (docs/distributed.md, "When the ring hides its transfers").
+MODEL_LENGTHS = (8192, 131072, 1048576)
+MODEL_RANKS = (8, 16, 32, 64)
+MODEL_LINKS = (25e9, 100e9)  # bytes per second per link, each direction
+MODEL_CORES = 32             # cores a rank, each at the measured one-thread rate
+MODEL_LATENCY = 10e-6        # seconds a message
+
+
+def model_rate():
+    """FLOP/s of one thread in the ring's blocks: the largest non-causal run's compute time."""
+    _, measured = distributed_runs()
+    r = max((r for r in measured if not r["causal"]), key=lambda r: r["length"])
+    ranks = distributed_runs()[0]["ranks"]
+    return r["flops"] / ranks / r["ring_compute_seconds"], r
+
+
+def milliseconds(seconds):
+    """Three significant digits, in ms below a second."""
+    return f"{seconds:.3g} s" if seconds >= 1 else f"{1e3 * seconds:.3g} ms"
+
+
+def table_distributed_model():
+    rate, r = model_rate()
+    heads, dim, value_dim, scalar = 8, 128, 128, 4  # the measured problem's shape
+    token_bytes = heads * (dim + value_dim) * scalar
+    lines = source("distributed.json", probes="one thread computed the non-causal blocks at "
+                   f"{rate / 1e9:.0f} GFLOP/s (L = {r['length']}); the model gives a rank "
+                   f"{MODEL_CORES} such cores ({MODEL_CORES * rate / 1e12:.1f} TFLOP/s), "
+                   f"{MODEL_LATENCY * 1e6:.0f} us a message, Hq = Hkv = {heads}, D = Dv = {dim}, "
+                   "float; a causal step (zigzag) computes half a block")
+    lines += ["| L | P | tokens a rank | a step's compute, not causal / causal | a step's transfer "
+              "at 25 GB/s | at 100 GB/s | hidden at 25 / 100 GB/s (causal) |",
+              "|---|---|---|---|---|---|---|"]
+    for length in MODEL_LENGTHS:
+        for p in MODEL_RANKS:
+            n = length // p
+            compute = 4 * n * n * dim * heads / (MODEL_CORES * rate)
+            transfer = [MODEL_LATENCY + n * token_bytes / link for link in MODEL_LINKS]
+            hidden = ["yes" if compute / 2 >= t else "no" for t in transfer]
+            lines.append(f"| {length} | {p} | {n} | {milliseconds(compute)} / "
+                         f"{milliseconds(compute / 2)} | {milliseconds(transfer[0])} | "
+                         f"{milliseconds(transfer[1])} | {hidden[0]} / {hidden[1]} |")
+    # The smallest block that hides its transfer: 4 n^2 D H f / R >= n bytes / link.
+    smallest = [token_bytes * MODEL_CORES * rate / (4 * dim * heads * 0.5 * link)
+                for link in MODEL_LINKS]
+    lines += ["", f"Latency aside, a causal step hides its transfer from {smallest[0]:.0f} tokens a "
+              f"rank at 25 GB/s and from {smallest[1]:.0f} at 100 GB/s (half that not causal); "
+              "the bound grows with the rate R of a rank."]
+    return lines
+
+
 TABLES = {
     "readme": table_readme,
     "flash-isa": table_flash_isa,
@@ -687,6 +768,8 @@ TABLES = {
     "bf16-compute": table_bf16_compute,
     "mla": table_mla,
     "mla-step": table_mla_step,
+    "distributed-ring": table_distributed_ring,
+    "distributed-model": table_distributed_model,
 }
 
 

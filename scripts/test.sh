@@ -25,7 +25,7 @@ else
 fi
 
 packages=(cmake g++ make libeigen3-dev catch2 nlohmann-json3-dev libtinyxml2-dev libbenchmark-dev
-  pkg-config python3)
+  pkg-config python3 libopenmpi-dev openmpi-bin)
 case "$preset" in
   ci | ci-asan | ci-tsan) packages+=(clang libomp-dev libclang-rt-14-dev ninja-build) ;;  # sanitizers, libFuzzer, OpenMP
   ci-release) packages+=(ninja-build) ;;

@@ -1,5 +1,6 @@
 # Usage: cmake -DATTN_BUILD_DIR=<build> -DATTN_PREFIX=<prefix> [-DATTN_CONFIG=<cfg>]
-#              [-DATTN_EXPECT_SAFETENSORS=1] [-DATTN_EXPECT_COMPILED=1] -P install_to_prefix.cmake
+#              [-DATTN_EXPECT_SAFETENSORS=1] [-DATTN_EXPECT_COMPILED=1] [-DATTN_EXPECT_MPI=1]
+#              -P install_to_prefix.cmake
 #
 # Wipes <prefix>, then runs `cmake --install <build> --prefix <prefix>`.
 # Used as the ctest setup fixture of the find_package() consumer test; the
@@ -54,6 +55,10 @@ list(APPEND expected_files "${cmake_dir}/attnConfig.cmake" "${cmake_dir}/attnCon
 # attn::safetensors (attn/safetensors.hpp with nlohmann_json) when the build had it.
 if(ATTN_EXPECT_SAFETENSORS)
   list(APPEND expected_files "${cmake_dir}/attnSafetensorsTargets.cmake")
+endif()
+# attn::mpi (attn/distributed.hpp with MPI) when the build had it.
+if(ATTN_EXPECT_MPI)
+  list(APPEND expected_files "${cmake_dir}/attnMpiTargets.cmake" "include/attn/distributed.hpp")
 endif()
 foreach(expected IN LISTS expected_files)
   if(NOT EXISTS "${ATTN_PREFIX}/${expected}")
