@@ -102,17 +102,17 @@ inline vec load_int8_widened(const std::int8_t* src) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
-/// The low nibbles of src[0:8), as float, 0 to 15 (q4_0's).
-inline vec load_low_nibbles_widened(const std::uint8_t* src) {
+/// The low nibbles n of src[0:8) as float n - 8 (q4_0's elements).
+inline vec load_low_nibbles_centered(const std::uint8_t* src) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
-  const __m256i nibbles = _mm256_and_si256(_mm256_cvtepu8_epi32(bytes), _mm256_set1_epi32(15));
-  return _mm256_cvtepi32_ps(nibbles);
+  const __m128i centered = _mm_sub_epi8(_mm_and_si128(bytes, _mm_set1_epi8(15)), _mm_set1_epi8(8));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(centered));
 }
-/// The high nibbles of src[0:8) as float, 0 to 15.
-inline vec load_high_nibbles_widened(const std::uint8_t* src) {
+/// The high nibbles n of src[0:8) as float n - 8.
+inline vec load_high_nibbles_centered(const std::uint8_t* src) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
-  const __m256i nibbles = _mm256_srli_epi32(_mm256_cvtepu8_epi32(bytes), 4);
-  return _mm256_cvtepi32_ps(nibbles);
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_sub_epi8(high, _mm_set1_epi8(8))));
 }
 /// An fp16 value (a block's scale) as float, in one conversion instruction.
 inline float half_to_float(Eigen::half x) {

@@ -114,19 +114,21 @@ inline vec load_int8_widened(const std::int8_t* src) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
   return _mm512_maskz_cvtepi32_ps(all_lanes, _mm512_maskz_cvtepi8_epi32(all_lanes, bytes));
 }
-/// The low nibbles of src[0:16), as float, 0 to 15 (q4_0's elements 0..15).
-inline vec load_low_nibbles_widened(const std::uint8_t* src) {
+/// The low nibbles n of src[0:16) as float n - 8 (q4_0's elements 0..15): one permute looks
+/// each up in a table of -8 .. 7, and it reads only an index's low 4 bits (no mask needed).
+inline vec load_low_nibbles_centered(const std::uint8_t* src) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  const __m512i nibbles =
-      _mm512_and_si512(_mm512_maskz_cvtepu8_epi32(all_lanes, bytes), _mm512_set1_epi32(15));
-  return _mm512_maskz_cvtepi32_ps(all_lanes, nibbles);
+  const vec centered = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm512_maskz_permutexvar_ps(all_lanes, _mm512_maskz_cvtepu8_epi32(all_lanes, bytes),
+                                     centered);
 }
-/// The high nibbles of src[0:16), as float, 0 to 15 (q4_0's elements 16..31).
-inline vec load_high_nibbles_widened(const std::uint8_t* src) {
+/// The high nibbles n of src[0:16) as float n - 8 (q4_0's elements 16..31).
+inline vec load_high_nibbles_centered(const std::uint8_t* src) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const vec centered = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   const __m512i nibbles =
       _mm512_maskz_srli_epi32(all_lanes, _mm512_maskz_cvtepu8_epi32(all_lanes, bytes), 4);
-  return _mm512_maskz_cvtepi32_ps(all_lanes, nibbles);
+  return _mm512_maskz_permutexvar_ps(all_lanes, nibbles, centered);
 }
 /// An fp16 value (a block's scale) as float, in one conversion instruction.
 inline float half_to_float(Eigen::half x) {

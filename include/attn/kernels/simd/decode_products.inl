@@ -63,11 +63,11 @@ struct RowReader {
   }
 };
 
-/// A quantized block, its scale d as float and -8 d (q4_0's offset, folded into an FMA).
+/// A quantized block and its scale d as float.
 template <class Block>
 struct ScaledBlock {
   const Block* block;
-  float scale, offset;
+  float scale;
 };
 
 /// The reader of q8_0 and q4_0 rows: `column` is a multiple of 32.
@@ -80,22 +80,26 @@ struct BlockRowReader {
   const Block* ahead;
   Index column = 0;
 
+  /// The block holding values [column + d, column + d + 32) of row j.
+  const Block* block(Index j, Index d) const {
+    return rows + j * stride + (column + d) / quantized_block_values;
+  }
   Piece piece(Index j, Index d) const {
-    const Block* block = rows + j * stride + (column + d) / quantized_block_values;
-    const float scale = half_to_float(block->scale);
-    return {block, scale, -8.0f * scale};
+    const Block* b = block(j, d);
+    return {b, half_to_float(b->scale)};
   }
-  static vec load(const ScaledBlock<BlockQ8_0>& p, int i) {
-    return mul(load_int8_widened(p.block->values + i * lanes), set1(p.scale));
+  /// Vector i < step of a block's integers, exact in float: q (q8_0) or n - 8 (q4_0).
+  static vec load_integers(const BlockQ8_0* b, int i) {
+    return load_int8_widened(b->values + i * lanes);
   }
-  static vec load(const ScaledBlock<BlockQ4_0>& p, int i) {
+  static vec load_integers(const BlockQ4_0* b, int i) {
     constexpr int half = static_cast<int>(quantized_block_values / 2);
     const int first = i * static_cast<int>(lanes);  // elements [first, first + lanes)
-    // d n - 8 d in one FMA: exact, as d (n - 8) is (11 by 4 significant bits).
-    return fmadd(first < half ? load_low_nibbles_widened(p.block->nibbles + first)
-                              : load_high_nibbles_widened(p.block->nibbles + (first - half)),
-                 set1(p.scale), set1(p.offset));
+    return first < half ? load_low_nibbles_centered(b->nibbles + first)
+                        : load_high_nibbles_centered(b->nibbles + (first - half));
   }
+  /// d q: exact in float (q has at most 8 significant bits, d 11).
+  static vec load(const Piece& p, int i) { return mul(load_integers(p.block, i), set1(p.scale)); }
   void prefetch(Index j, Index d) const {
     prefetch_element(ahead, j * stride + (column + d) / quantized_block_values);
   }
@@ -332,6 +336,84 @@ inline void exp_rows(float* s, Index s_stride, Index rows, Index cols,  // (rows
   }
 }
 
+/// weighted_sum_block for quantized rows, whose scales multiply the weights instead of the
+/// values: sum_j p[r, j] (d_j q_j) = sum_j (p[r, j] d_j) q_j, with q_j the block's integers
+/// (n - 8 for q4_0) widened exactly. Per vector of values this leaves a widening (q4_0: a
+/// table lookup) and the Rb FMAs, without the multiply by d_j, and it moves the scales' fp16
+/// conversions out of the loop: Rb * C / step weights p[r, j] d_j per key, formed 64 keys at
+/// a time, a vector of keys per multiply. The result differs from the widened values' by the
+/// rounding of p d (one float rounding per term, within the float bound of docs/precision.md).
+template <int Rb, int C, bool Prefetch, class Block>
+inline void weighted_sum_scaled_block(const float* p, Index p_stride,  // (Rb, keys)
+                                      const RowReader<Block>& v,       // (keys, C lanes)
+                                      Index keys, const float* alpha, bool first, float* acc,
+                                      Index acc_stride) {  // (Rb, C lanes)
+  constexpr int step = RowReader<Block>::step;
+  constexpr int blocks = C / step;
+  static_assert(C % step == 0, "weighted_sum_scaled_block: whole blocks of a quantized row");
+  constexpr Index chunk = 64;
+  constexpr auto blocks_n = static_cast<std::size_t>(blocks);
+  constexpr auto chunk_n = static_cast<std::size_t>(chunk);
+  alignas(64) float scales[blocks_n][chunk_n];
+  alignas(64) float weights[blocks_n][static_cast<std::size_t>(Rb)][chunk_n];
+  vec sum[static_cast<std::size_t>(Rb)][static_cast<std::size_t>(C)];
+#pragma GCC unroll 4
+  for (int r = 0; r < Rb; ++r) {
+    const vec rescale = set1(first ? 0.0f : alpha[r]);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c)
+      sum[r][c] = first ? zero() : mul(load(acc + r * acc_stride + lanes * c), rescale);
+  }
+  for (Index j0 = 0; j0 < keys; j0 += chunk) {
+    const Index n = std::min(chunk, keys - j0);
+    for (Index j = 0; j < n; ++j) {
+      for (int b = 0; b < blocks; ++b)
+        scales[b][j] = half_to_float(v.block(j0 + j, b * quantized_block_values)->scale);
+    }
+    for (Index j = n; j < (n + lanes - 1) / lanes * lanes; ++j) {
+      for (int b = 0; b < blocks; ++b)
+        scales[b][j] = 0.0f;  // the last vector's lanes past the keys: weights 0, never read
+    }
+    for (int b = 0; b < blocks; ++b) {
+      for (int r = 0; r < Rb; ++r) {
+        const float* p_row = p + r * p_stride + j0;
+        for (Index j = 0; j < n; j += lanes) {
+          const vec p_j = j + lanes <= n ? load(p_row + j) : load_first(p_row + j, n - j);
+          store(weights[b][r] + j, mul(p_j, load(scales[b] + j)));
+        }
+      }
+    }
+    for (Index j = 0; j < n; ++j) {
+      vec value[static_cast<std::size_t>(C)];
+#pragma GCC unroll 4
+      for (int b = 0; b < blocks; ++b) {
+        const Block* block = v.block(j0 + j, b * quantized_block_values);
+        if constexpr (Prefetch)
+          v.prefetch(j0 + j, b * quantized_block_values);
+#pragma GCC unroll 4
+        for (int i = 0; i < step; ++i)
+          value[b * step + i] = RowReader<Block>::load_integers(block, i);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < Rb; ++r) {
+#pragma GCC unroll 4
+        for (int b = 0; b < blocks; ++b) {
+          const vec weight = set1(weights[b][r][j]);
+#pragma GCC unroll 4
+          for (int i = 0; i < step; ++i)
+            sum[r][b * step + i] = fmadd(weight, value[b * step + i], sum[r][b * step + i]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < Rb; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c)
+      store(acc + r * acc_stride + lanes * c, sum[r][c]);
+  }
+}
+
 /// acc[r, 0:C lanes) = alpha[r] acc[r, :] + sum_j p[r, j] v[j, 0:C lanes) for r < Rb (with
 /// `first`, acc is only written): Rb x C vectors of sums in registers, full vectors only.
 template <int Rb, int C, bool Prefetch, class S>
@@ -388,9 +470,15 @@ inline void weighted_sum_rows(const float* p, Index p_stride, const RowReader<S>
                               Index acc_stride) {
   constexpr int step = RowReader<S>::step;
   Index e = 0;
-  for (; e + C * lanes <= vector_dim; e += C * lanes)
-    weighted_sum_block<Rb, C, Prefetch>(p, p_stride, v.at(0, e), keys, alpha, first, acc + e,
-                                        acc_stride);
+  for (; e + C * lanes <= vector_dim; e += C * lanes) {
+    if constexpr (is_quantized_v<S>) {
+      weighted_sum_scaled_block<Rb, C, Prefetch>(p, p_stride, v.at(0, e), keys, alpha, first,
+                                                 acc + e, acc_stride);
+    } else {
+      weighted_sum_block<Rb, C, Prefetch>(p, p_stride, v.at(0, e), keys, alpha, first, acc + e,
+                                          acc_stride);
+    }
+  }
   if constexpr (C > step) {
     if (e < vector_dim) {
       weighted_sum_rows<Rb, Prefetch, S, C - step>(p, p_stride, v.at(0, e), keys, vector_dim - e,
