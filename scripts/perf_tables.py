@@ -37,7 +37,8 @@ from collections import defaultdict
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 PAGES = ["README.md", "docs/performance.md", "docs/quantized-cache.md", "docs/tiny_lm.md",
-         "docs/serving.md", "docs/precision.md", "docs/mla.md", "docs/distributed.md"]
+         "docs/serving.md", "docs/precision.md", "docs/mla.md", "docs/distributed.md",
+         "docs/training.md"]
 BEGIN = re.compile(r"^<!-- perf-table: ([\w-]+) -->$")
 END = "<!-- /perf-table -->"
 ISAS = ["generic", "avx2", "avx512"]
@@ -563,6 +564,27 @@ def table_bf16_compute():
     return lines
 
 
+def table_backward():
+    _, b = bench("backward.json")
+    fma = rate(b["fma_peak/threads:1"])
+    lines = source("backward.json", probes=f"shares of the FMA probe `fma_peak` of the same run, "
+                   f"{fma / 1e9:.0f} GFLOP/s, one thread; ratios: the median of "
+                   "`backward_over_forward`'s pairs")
+    lines += ["| D, L | backward, not causal | backward / forward time, not causal | "
+              "the same, causal |", "|---|---|---|---|"]
+    for dim in (64, 128):
+        for length in (1024, 2048, 4096, 8192):
+            pair = "backward_over_forward/D:{}/L:{}/causal:{}/threads:1/min_time:2.000/manual_time"
+            backward = b.get(f"attention/pass:1/D:{dim}/L:{length}/causal:0/threads:1")
+            ratios = [b.get(pair.format(dim, length, c)) for c in (0, 1)]
+            if backward is None or None in ratios:
+                continue
+            lines.append(f"| {dim}, {length} | {gflops(rate(backward))} GFLOP/s "
+                         f"({share(rate(backward), fma)}) | {ratios[0]['ratio']:.2f} | "
+                         f"{ratios[1]['ratio']:.2f} |")
+    return lines
+
+
 MLA_BYTES = {"float": 4, "half": 2}  # bytes a stored value
 MLA_FLOPS_PER_TOKEN = 2 * 16 * (2 * 512 + 64)  # 2 H (2 C + R): scores and P V
 MLA_VALUES_PER_TOKEN = 512 + 64  # C + R
@@ -766,6 +788,7 @@ TABLES = {
     "serving": table_serving,
     "serving-paged": table_serving_paged,
     "bf16-compute": table_bf16_compute,
+    "backward": table_backward,
     "mla": table_mla,
     "mla-step": table_mla_step,
     "distributed-ring": table_distributed_ring,

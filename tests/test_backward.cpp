@@ -320,6 +320,10 @@ void packed_against_reference() {
       {{40, 6}, {70, 6}, 2, 2, 8, 8, 2},                // window, sink tokens, learned sinks
       {{21, 13, 2}, {21, 30, 2}, 3, 1, 16, 16, 3},      // softcap, ALiBi, dropout
       {{33, 18}, {50, 18}, 2, 1, 8, 16, 4},             // a mask_mod that reads b
+      // D = 128: the default tiles are then 128 x 256 on AVX-512 (128 x 128 causal), and
+      // 300 rows cut both into a whole tile and a part
+      {{300, 20}, {300, 41}, 3, 1, 128, 128, 3},  // softcap, ALiBi, dropout: not causal
+      {{300}, {300}, 2, 1, 128, 128, 0},          // causal
   };
   for (const Case& c : cases) {
     Problem p;

@@ -23,9 +23,10 @@
 // 2 Bq (W + P) + 2 Bq scalars for the tiles (kt, vt, s, dp, two row vectors), Bq (W + P) more
 // with softcap and again with dropout, W (D + P) + Bq (D + Dv + 2 P) for the copies of the
 // k, q and dout rows, and G * Lq for the rows' deltas, independent of Lk and only G * Lq
-// scalars in Lq: 360 KiB of float tiles and rows at the default Bq = 64, Bk = 128,
-// D = Dv = 128 (396 KiB with softcap; a key tile of 128 halves the passes over q, dout and
-// dq that a tile of 64 makes: at L = 4096 they no longer fit in L2). With
+// scalars in Lq: 360 KiB of float tiles and rows at Bq = 64, Bk = 128, D = Dv = 128 (396
+// KiB with softcap; a key tile of 128 halves the passes over q, dout and dq that a tile of 64
+// makes: at L = 4096 they no longer fit in L2), 833 KiB at AVX-512's 128 x 256 for D >= 128
+// (505 KiB at its causal 128 x 128; default_backward_tiles in attn/plan.hpp). With
 // 16-bit storage add one widened head of each of q, out and dout (Lq, D + 2 Dv) per query
 // head of the group, of k and v (Lk, D + Dv), and float accumulators for dq (G Lq, D) and
 // dk, dv (Lk, D + Dv).
