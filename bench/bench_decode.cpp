@@ -24,6 +24,7 @@
 //   prefill_formats        Lq = 1 .. 256 new queries against a KVCache of 4096 tokens of each
 //                          format through attend_into, decode against flash: the quantized
 //                          crossover of attn/plan.hpp (quantized_decode_max_queries)
+//   prefill_formats_int8   the same, decode on int8 products (q8_0 and q4_0, Lq <= 64)
 //   decode_before          what one query ran before the decode kernel: naive (automatic's
 //                          choice for Lq * Lk <= 64 * 64 until bench_plan's crossovers) and
 //                          flash
@@ -285,7 +286,8 @@ void BM_decode_format_int8(benchmark::State& state) {
 }
 
 /// Lq new queries (the cache's last Lq tokens) against a KVCache<S> of Lk tokens through the
-/// public attend_into, the kernel forced (arg 5: 0 decode, 1 flash): where a quantized cache
+/// public attend_into, the kernel forced (arg 5: 0 decode, 1 flash, 2 decode on int8 products,
+/// ComputePrecision::int8): where a quantized cache
 /// should stop decoding and dequantize tiles for flash. Validated against naive on the values
 /// the format reads back.
 template <class S>
@@ -293,7 +295,11 @@ void prefill_from_cache(benchmark::State& state, std::vector<float>& k, std::vec
                         Format format) {
   const Index q_length = state.range(0), k_length = state.range(1), q_heads = state.range(2),
               kv_heads = state.range(3), dim = 128;
-  const bool flash = state.range(5) == 1;
+  const bool flash = state.range(5) == 1, int8 = state.range(5) == 2;
+  if (int8 && !attn::has_int8_products(attn::active_isa())) {
+    state.SkipWithError("no int8 products on this CPU");
+    return;
+  }
   attn::KVCache<S> cache(1, kv_heads, dim, dim, k_length);
   cache.append(
       attn::bhld_view(static_cast<const float*>(k.data()), Index(1), kv_heads, k_length, dim),
@@ -306,6 +312,7 @@ void prefill_from_cache(benchmark::State& state, std::vector<float>& k, std::vec
       attn::bhld_view(static_cast<const float*>(q.data()), Index(1), q_heads, q_length, dim);
   attn::AttentionOptions<float> options;
   options.algorithm = flash ? attn::Algorithm::flash : attn::Algorithm::decode;
+  options.compute = int8 ? attn::ComputePrecision::int8 : attn::ComputePrecision::fp32;
   const auto out_view = attn::bhld_view(out.data(), Index(1), q_heads, q_length, dim);
   attn::AttentionOptions<float> naive;
   naive.algorithm = attn::Algorithm::naive;
@@ -316,7 +323,7 @@ void prefill_from_cache(benchmark::State& state, std::vector<float>& k, std::vec
       attn::bhld_view(reference.data(), Index(1), q_heads, q_length, dim), naive);
   cache.attend_into(qv, out_view, options);
   const float worst = attn_bench::max_abs_diff(out.data(), reference.data(), out.size());
-  if (!(worst < 1e-4f)) {
+  if (!(worst < (int8 ? 5e-3f : 1e-4f))) {  // int8: the query's quantization too
     state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
     return;
   }
@@ -423,6 +430,19 @@ void register_all() {
                      {8},
                      {0, 1, 2, 3},
                      {0, 1}})
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
+  // Decode on int8 products (kernel 2; flash has none) from q8_0 and q4_0: the crossover of
+  // ComputePrecision::int8.
+  benchmark::RegisterBenchmark("prefill_formats_int8", BM_prefill_format)
+      ->ArgNames({"Lq", "Lk", "Hq", "Hkv", "format", "flash"})
+      ->ArgsProduct({tiny ? std::vector<std::int64_t>{2, 16}
+                          : std::vector<std::int64_t>{1, 4, 8, 16, 32, 64},
+                     {tiny ? 512 : 4096},
+                     {8, 32},
+                     {8},
+                     {2, 3},
+                     {2}})
       ->UseRealTime()
       ->Unit(benchmark::kMicrosecond);
   // What one query used before: naive for Lk <= 4096 (automatic's tiny rule), else flash.

@@ -399,6 +399,28 @@ def table_prefill_formats():
     return lines
 
 
+def table_prefill_formats_int8():
+    _, b = bench("prefill_formats_int8.json")
+    lines = source("prefill_formats_int8.json", probes="times of one call, one thread; decode "
+                   "on fp32 products and on int8 products (ComputePrecision::int8), flash "
+                   "(which has none)")
+    lines += ["| Lk = 4096, D = 128, one thread | Lq | q8_0: flash / decode / decode int8 (ms) | "
+              "q4_0 | int8 decode over flash: q8_0 / q4_0 |", "|---|---|---|---|---|"]
+    lqs = sorted({int(re.match(r"prefill_formats_int8/Lq:(\d+)/", n).group(1))
+                  for n in b if n.startswith("prefill_formats_int8/")})
+    for hq in (8, 32):
+        for lq in lqs:
+            def time(f, kernel):
+                family = "prefill_formats_int8" if kernel == 2 else "prefill_formats"
+                return b[f"{family}/Lq:{lq}/Lk:4096/Hq:{hq}/Hkv:8/format:{f}/flash:{kernel}"][
+                    "real_time"] / 1e3
+            cells = [" / ".join(f"{time(f, k):.2f}" for k in (1, 0, 2)) for f in (2, 3)]
+            ratios = " / ".join(f"{time(f, 1) / time(f, 2):.2f}x" for f in (2, 3))
+            heads = "Hq = Hkv = 8" if hq == 8 else "GQA 32/8"
+            lines.append(f"| {heads} | {lq} | " + " | ".join(cells) + f" | {ratios} |")
+    return lines
+
+
 def table_tiny_lm_kv_formats():
     with open(RESULTS / "tiny_lm_kv_formats.json", encoding="utf-8") as f:
         r = json.load(f)
@@ -778,6 +800,7 @@ TABLES = {
     "decode-isa": table_decode_isa,
     "decode-formats": table_decode_formats,
     "prefill-formats": table_prefill_formats,
+    "prefill-formats-int8": table_prefill_formats_int8,
     "tiny-lm-kv-formats": table_tiny_lm_kv_formats,
     "tiny-lm-speed": table_tiny_lm_speed,
     "tiny-lm-serve": table_tiny_lm_serve,

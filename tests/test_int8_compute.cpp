@@ -214,6 +214,23 @@ TEST_CASE("int8 products: what the plan says, and fp32 wherever they do not appl
   attn::AttentionOptions<float> automatic = opt_in;
   automatic.algorithm = attn::Algorithm::automatic;  // Lq = 1: decode
   CHECK(attn::plan_attention<float>(blocks, automatic).int8_products == int8_level());
+  // Decode on int8 products takes up to 16 queries (quantized_decode_max_queries), on fp32
+  // products 8; then flash, without them.
+  const auto automatic_at = [&](Index q_length, const attn::AttentionOptions<float>& options) {
+    attn::AttentionShape chunk = blocks;
+    chunk.q_length = q_length;
+    return attn::plan_attention<float>(chunk, options);
+  };
+  attn::AttentionOptions<float> fp32_automatic = automatic;
+  fp32_automatic.compute = attn::ComputePrecision::fp32;
+  const bool vector_level = attn::active_isa() != attn::Isa::generic;
+  CHECK(automatic_at(8, fp32_automatic).algorithm == attn::Algorithm::decode);
+  CHECK((automatic_at(16, fp32_automatic).algorithm == attn::Algorithm::decode) == !vector_level);
+  CHECK((automatic_at(16, automatic).algorithm == attn::Algorithm::decode) ==
+        (int8_level() || !vector_level));
+  CHECK(automatic_at(16, automatic).int8_products == int8_level());
+  CHECK((automatic_at(17, automatic).algorithm == attn::Algorithm::decode) == !vector_level);
+  CHECK_FALSE(automatic_at(17, automatic).int8_products);
   // never: flash, keys not in blocks (V in blocks only, half, float), double
   attn::AttentionOptions<float> flash = opt_in;
   flash.algorithm = attn::Algorithm::flash;

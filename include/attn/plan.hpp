@@ -162,15 +162,17 @@ inline Index decode_max_queries(Isa isa, bool kv_16bit, double flash_bytes) {
 /// workspace and multiplies tiles. Measured with bench_decode's prefill_formats on Zen 4
 /// (AVX-512; Lk = 4096, D = 128, Hq = Hkv = 8 and GQA 32/8, q8_0 and q4_0, docs/performance.md
 /// "Chunked prefill from a quantized cache"): decode led up to Lq = 8 (1.5-1.8x at 8), flash
-/// from 16 (1.1-1.3x). AVX2 takes the AVX-512 crossover and generic its 16-bit rule, neither
-/// measured with blocks.
-inline Index quantized_decode_max_queries(Isa isa) {
+/// from 16 (1.1-1.3x). Decode on int8 products (`int8_products`: ComputePrecision::int8 where
+/// the plan would grant them) leads further: on the Xeon 2.0-2.4x flash's speed at 8,
+/// 1.02-1.21x at 16, 0.82-0.93x at 32. AVX2 takes the AVX-512 crossover and generic its 16-bit
+/// rule, neither measured with blocks.
+inline Index quantized_decode_max_queries(Isa isa, bool int8_products = false) {
   switch (float_kernels_isa(isa)) {
     case Isa::avx512_vnni:  // (float_kernels_isa gives avx512)
     case Isa::avx512_bf16:
     case Isa::avx512:
     case Isa::avx2:
-      return 8;
+      return int8_products ? 16 : 8;
     case Isa::generic:
       break;
   }
@@ -269,6 +271,10 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
   const Isa isa = plan_isa<T>();
   plan.isa = isa;
   const Index q_length = shape.q_length, k_length = shape.k_length;
+  // int8 products: decode only, on the levels that have them, for keys stored as blocks of
+  // int8 or nibbles whose D is whole blocks.
+  const bool int8_readable = compute == ComputePrecision::int8 && std::is_same_v<T, float> &&
+                             has_int8_products(isa) && shape.k_int8_readable && shape.dim % 32 == 0;
   if (requested == Algorithm::automatic) {
     const Index kv_bytes = shape.kv_element_bytes > 0 ? shape.kv_element_bytes : Index(sizeof(T));
     const Index group = shape.kv_heads > 0 ? shape.q_heads / shape.kv_heads : 1;
@@ -276,8 +282,9 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
                                static_cast<double>(shape.dim + shape.value_dim) *
                                static_cast<double>(kv_bytes);
     if (shape.kv_quantized) {  // (naive cannot read blocks; KVCache refuses weights)
-      plan.algorithm = !dropout && q_length <= quantized_decode_max_queries(isa) ? Algorithm::decode
-                                                                                 : Algorithm::flash;
+      plan.algorithm = !dropout && q_length <= quantized_decode_max_queries(isa, int8_readable)
+                           ? Algorithm::decode
+                           : Algorithm::flash;
     } else if (shape.kv_paged) {  // (naive cannot read pages; the paged cache refuses weights)
       plan.algorithm = !dropout && q_length <= decode_max_queries(isa, kv_bytes == 2, flash_bytes)
                            ? Algorithm::decode
@@ -333,11 +340,7 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
   plan.bf16_products = compute == ComputePrecision::bf16 && std::is_same_v<T, float> &&
                        plan.isa == Isa::avx512_bf16 && plan.algorithm == Algorithm::flash &&
                        shape.bf16_readable_kv && !shape.kv_quantized;
-  // int8 products: decode only, on the levels that have them, for keys stored as blocks of
-  // int8 or nibbles whose D is whole blocks.
-  plan.int8_products = compute == ComputePrecision::int8 && std::is_same_v<T, float> &&
-                       has_int8_products(plan.isa) && plan.algorithm == Algorithm::decode &&
-                       shape.k_int8_readable && shape.dim % 32 == 0;
+  plan.int8_products = int8_readable && plan.algorithm == Algorithm::decode;
   detail::plan_threads(plan, detail::attention_flops(shape));
   return plan;
 }
