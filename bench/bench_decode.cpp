@@ -436,13 +436,13 @@ void register_all() {
   // ComputePrecision::int8.
   benchmark::RegisterBenchmark("prefill_formats_int8", BM_prefill_format)
       ->ArgNames({"Lq", "Lk", "Hq", "Hkv", "format", "flash"})
-      ->ArgsProduct({tiny ? std::vector<std::int64_t>{2, 16}
-                          : std::vector<std::int64_t>{1, 4, 8, 16, 32, 64},
-                     {tiny ? 512 : 4096},
-                     {8, 32},
-                     {8},
-                     {2, 3},
-                     {2}})
+      ->ArgsProduct(
+          {tiny ? std::vector<std::int64_t>{2, 16} : std::vector<std::int64_t>{1, 4, 8, 16, 32, 64},
+           {tiny ? 512 : 4096},
+           {8, 32},
+           {8},
+           {2, 3},
+           {2}})
       ->UseRealTime()
       ->Unit(benchmark::kMicrosecond);
   // What one query used before: naive for Lk <= 4096 (automatic's tiny rule), else flash.
