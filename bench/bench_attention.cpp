@@ -1,7 +1,8 @@
 // Benchmarks of attention: naive, chunked, flash (and flash_isa, flash with each instruction
 // set's products forced; flash_tiles, flash with the tiles given; flash_kv_half and
 // flash_kv_bfloat16, flash against 16-bit keys and values; flash_bf16 and flash_bf16_fp32,
-// bfloat16 q, k, v on bf16 dot products or widened to fp32) and linear attention, beside Eigen's
+// bfloat16 q, k, v on bf16 dot products or widened to fp32; flash_int8, q k^T on int8 dot
+// products) and linear attention, beside Eigen's
 // plain GEMM at the same (Lq x D) x (D x Lk) shape and the FMA peak probe (common.hpp), all in one
 // binary so that every figure can be read as a fraction of this machine's measured peak.
 //
@@ -226,6 +227,48 @@ void BM_flash_bf16(benchmark::State& state, attn::ComputePrecision compute) {
       state, [&] { run_with(options); }, inputs, attention_flops(length, dim, causal));
 }
 
+// Flash on float q, k and v with q k^T on int8 products where the CPU has them
+// (ComputePrecision::int8, kernels/int8_tiles.hpp; P V in fp32), beside "flash" and the int8
+// dot-product probe. Checked before timing against the fp32 path on the same values: a
+// relative L1 difference under 2^-5 (docs/precision.md measures about 0.01).
+void BM_flash_int8(benchmark::State& state) {
+  const Index length = state.range(0), dim = state.range(1);
+  const bool causal = state.range(2) != 0;
+  set_threads(static_cast<int>(state.range(3)));
+  Inputs inputs(length, dim);
+  attn::AttentionOptions<float> options;
+  options.algorithm = attn::Algorithm::flash;
+  options.causal = causal ? attn::Causal::top_left : attn::Causal::none;
+  options.compute = attn::ComputePrecision::int8;
+  const auto out = attn::bhld_view(inputs.out.data(), Index(1), kHeads, length, dim);
+  const auto run_with = [&](const attn::AttentionOptions<float>& o) {
+    attn::scaled_dot_product_attention_into<float, float, float>(
+        inputs.view(inputs.q), inputs.view(inputs.k), inputs.view(inputs.v), out, o);
+  };
+  attn::AttentionOptions<float> fp32 = options;
+  fp32.compute = attn::ComputePrecision::fp32;
+  run_with(fp32);
+  const std::vector<float> reference = inputs.out;
+  run_with(options);
+  double difference = 0, size = 0;
+  for (std::size_t i = 0; i < reference.size(); ++i) {
+    difference += std::abs(static_cast<double>(reference[i]) - inputs.out[i]);
+    size += std::abs(static_cast<double>(reference[i]));
+  }
+  if (!(difference <= size / 32)) {
+    state.SkipWithError(
+        ("differs from the fp32 path by " + std::to_string(difference / size) + " relative L1")
+            .c_str());
+    return;
+  }
+  const auto shape =
+      attn::AttentionShape{1, kHeads, kHeads, length, length, dim, dim, 4, false, false, causal};
+  state.SetLabel(attn::plan_attention<float>(shape, options).int8_products ? "int8 products"
+                                                                           : "fp32");
+  time_runs(
+      state, [&] { run_with(options); }, inputs, attention_flops(length, dim, causal));
+}
+
 // Flash with the products of one instruction set forced (attn/cpu.hpp), so that every
 // kernel this CPU can run is measured in the same binary and the same run: "flash" is the
 // automatic choice, "flash_isa/isa:<n>" the kernel of attn::all_isas[n].
@@ -359,6 +402,8 @@ void register_all() {
   add(
       "flash_bf16_fp32",
       [](benchmark::State& s) { BM_flash_bf16(s, attn::ComputePrecision::fp32); }, true);
+  attn_bench::register_int8_dot_peak();  // the ceiling of flash_int8's q k^T
+  add("flash_int8", BM_flash_int8, true);
   add("flash_kv_half", BM_flash_kv16<Eigen::half>, true);
   add("flash_kv_bfloat16", BM_flash_kv16<Eigen::bfloat16>, true);
   add("linear", BM_linear, true);

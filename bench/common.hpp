@@ -15,6 +15,8 @@
 //                      threads:{1,2}", for the dispatched kernels (the CPU's sets only).
 //   register_bf16_dot_peak  the bf16 dot-product probe, "bf16_dot_peak/threads:{1,2}"
 //                      (vdpbf16ps), where the CPU has it: the ceiling of bf16 products.
+//   register_int8_dot_peak  the int8 dot-product probe, "int8_dot_peak/threads:{1,2}"
+//                      (vpdpbusd, 2 operations per multiply-add), where the CPU has it.
 #pragma once
 
 #include <benchmark/benchmark.h>
@@ -191,6 +193,27 @@ inline double dot_kernel(std::int64_t iterations, std::index_sequence<I...>) {
 }
 }  // namespace bf16_probe
 ATTN_END_TARGET
+
+ATTN_BEGIN_TARGET_AVX512_VNNI
+namespace int8_probe {
+/// 12 chains of vpdpbusd: each adds 16 lanes x 4 products of unsigned and signed bytes.
+template <std::size_t... I>
+inline double dot_kernel(std::int64_t iterations, std::index_sequence<I...>) {
+  __m512i acc[sizeof...(I)] = {_mm512_set1_epi32(static_cast<int>(I))...};
+  const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+  for (std::int64_t n = 0; n < iterations; ++n)
+    ((acc[I] = _mm512_dpbusd_epi32(acc[I], a, b)), ...);
+  alignas(64) std::int32_t lanes[16];
+  __m512i sum = _mm512_setzero_si512();
+  ((sum = _mm512_add_epi32(sum, acc[I])), ...);
+  _mm512_store_si512(lanes, sum);
+  double total = 0;
+  for (const std::int32_t x : lanes)
+    total += static_cast<double>(x);
+  return total;
+}
+}  // namespace int8_probe
+ATTN_END_TARGET
 #endif
 
 /// Scalar multiply-adds (the only probe where target regions do not apply): 2 FLOPs each.
@@ -244,36 +267,78 @@ inline void BM_fma_peak_isa(benchmark::State& state, attn::Isa isa) {
   state.SetLabel(attn::isa_name(isa));
 }
 
-/// The bf16 dot-product probe: 12 chains of vdpbf16ps per thread (64 FLOPs each: 16 lanes,
-/// two multiply-adds of bfloat16 pairs), the ceiling of the flash kernel on bf16 products.
-inline void BM_bf16_dot_peak(benchmark::State& state) {
+/// A dot-product probe: kernel(iterations, 12 chains) on each of the threads, reported as the
+/// counter `counter` of `per_instruction` operations per instruction.
+template <class Kernel>
+inline void run_dot_peak(benchmark::State& state, const Kernel& kernel, double per_instruction,
+                         const char* counter) {
   const int threads = static_cast<int>(state.range(0));
   const std::int64_t iterations = smoke() ? (1 << 12) : (1 << 22);
   for (auto _ : state) {
     double result = 0;
-#if ATTN_X86_DISPATCH
 #if ATTN_HAS_OPENMP
 #pragma omp parallel num_threads(threads) reduction(+ : result)
 #endif
-    result += bf16_probe::dot_kernel(iterations, std::make_index_sequence<12>());
-#endif
+    result += kernel(iterations);
     benchmark::DoNotOptimize(result);
   }
-  state.counters["FLOPS"] =
-      benchmark::Counter(2.0 * 2 * 12 * 16 * static_cast<double>(iterations) * threads,
+  state.counters[counter] =
+      benchmark::Counter(per_instruction * 12 * static_cast<double>(iterations) * threads,
                          benchmark::Counter::kIsIterationInvariantRate);
 }
 
-/// Registers "bf16_dot_peak/threads:{1,2}" where the CPU has bf16 dot products.
-inline void register_bf16_dot_peak() {
-  if (!attn::isa_supported(attn::Isa::avx512_bf16))
+/// The bf16 dot-product probe: 12 chains of vdpbf16ps per thread (64 FLOPs each: 16 lanes,
+/// two multiply-adds of bfloat16 pairs), the ceiling of the flash kernel on bf16 products.
+inline void BM_bf16_dot_peak(benchmark::State& state) {
+  run_dot_peak(
+      state,
+      [](std::int64_t iterations) {
+#if ATTN_X86_DISPATCH
+        return bf16_probe::dot_kernel(iterations, std::make_index_sequence<12>());
+#else
+        (void)iterations;  // (registered only where the CPU has the instruction)
+        return 0.0;
+#endif
+      },
+      2.0 * 2 * 16, "FLOPS");
+}
+
+/// The int8 dot-product probe: 12 chains of vpdpbusd per thread (128 operations each: 16
+/// lanes, four multiply-adds of bytes), the ceiling of q k^T on int8 products.
+inline void BM_int8_dot_peak(benchmark::State& state) {
+  run_dot_peak(
+      state,
+      [](std::int64_t iterations) {
+#if ATTN_X86_DISPATCH
+        return int8_probe::dot_kernel(iterations, std::make_index_sequence<12>());
+#else
+        (void)iterations;  // (registered only where the CPU has the instruction)
+        return 0.0;
+#endif
+      },
+      2.0 * 4 * 16, "OPS");
+}
+
+/// Registers "<name>/threads:{1,2}" for `probe` where the CPU has `isa`.
+inline void register_dot_peak(const char* name, void (*probe)(benchmark::State&), attn::Isa isa) {
+  if (!attn::isa_supported(isa))
     return;
-  benchmark::RegisterBenchmark("bf16_dot_peak", BM_bf16_dot_peak)
+  benchmark::RegisterBenchmark(name, probe)
       ->ArgNames({"threads"})
       ->Arg(1)
       ->Arg(2)
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
+}
+
+/// Registers "bf16_dot_peak/threads:{1,2}" where the CPU has bf16 dot products.
+inline void register_bf16_dot_peak() {
+  register_dot_peak("bf16_dot_peak", BM_bf16_dot_peak, attn::Isa::avx512_bf16);
+}
+
+/// Registers "int8_dot_peak/threads:{1,2}" where the CPU has int8 dot products.
+inline void register_int8_dot_peak() {
+  register_dot_peak("int8_dot_peak", BM_int8_dot_peak, attn::Isa::avx512_vnni);
 }
 
 /// Registers "fma_peak/threads:{1,2}": the probe of the widest instruction set this CPU has

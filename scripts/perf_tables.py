@@ -586,6 +586,31 @@ def table_bf16_compute():
     return lines
 
 
+def table_int8_flash():
+    _, b = bench("int8_flash.json")
+    fma, dot = rate(b["fma_peak/threads:1"]), b["int8_dot_peak/threads:1"]["OPS"]
+    # q k^T at the int8 probe's rate and P V at the FMA probe's: the kernel's own ceiling
+    ceiling = 1 / (0.5 / dot + 0.5 / fma)
+    lines = source("int8_flash.json", probes=f"the FMA probe `fma_peak` {fma / 1e9:.0f} "
+                   f"GFLOP/s and the int8 dot-product probe `int8_dot_peak` {dot / 1e9:.0f} "
+                   "Gop/s (vpdpbusd) of the same run, one thread; their mix, half of the "
+                   f"operations at each rate, {ceiling / 1e9:.0f} GFLOP/s")
+    lines += ["| B * H = 8, float q, k, v | fp32 products | int8 q kᵀ, fp32 P V | over fp32 | "
+              "share of the mix |",
+              "|---|---|---|---|---|"]
+    for causal in (0, 1):
+        for dim in (64, 128):
+            for length in (1024, 4096, 8192):
+                key = f"L:{length}/D:{dim}/causal:{causal}/threads:1"
+                if f"flash_int8/{key}" not in b:
+                    continue
+                fp32, int8 = (rate(b[f"{f}/{key}"]) for f in ("flash", "flash_int8"))
+                lines.append(f"| D = {dim}, L = {length}{', causal' if causal else ''} | "
+                             f"{gflops(fp32)} GFLOP/s ({share(fp32, fma)} of FMA) | "
+                             f"{gflops(int8)} | {int8 / fp32:.2f}x | {share(int8, ceiling)} |")
+    return lines
+
+
 def table_backward():
     _, b = bench("backward.json")
     fma = rate(b["fma_peak/threads:1"])
@@ -811,6 +836,7 @@ TABLES = {
     "serving": table_serving,
     "serving-paged": table_serving_paged,
     "bf16-compute": table_bf16_compute,
+    "int8-flash": table_int8_flash,
     "backward": table_backward,
     "mla": table_mla,
     "mla-step": table_mla_step,

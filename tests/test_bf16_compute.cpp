@@ -21,11 +21,11 @@
 
 #include <attn/attention.hpp>
 #include <attn/cpu.hpp>
-#include <attn/kv_cache.hpp>
-#include <attn/paged_kv_cache.hpp>
 
 #include "support/heads.hpp"
 #include "support/masked_problem.hpp"
+#include "support/out_and_lse.hpp"
+#include "support/paged_prefill.hpp"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -66,22 +66,8 @@ bool bf16_level() {
   return attn::active_isa() == attn::Isa::avx512_bf16;
 }
 
-struct Outputs {
-  Heads<float> out, lse;
-};
-
-/// scaled_dot_product_attention_into, flash, out and log-sum-exp in float.
-template <class S>
-Outputs run(const Heads<S>& q, const Heads<S>& k, const Heads<S>& v,
-            const attn::AttentionOptions<float>& options) {
-  Outputs r{Heads<float>(q.b, q.h, q.l, v.d), Heads<float>(q.b, q.h, q.l, 1)};
-  attn::AttentionOutputViews<float> outputs(r.out.view());
-  outputs.logsumexp =
-      attn::RowsView<float>{r.lse.data.data(), q.b, q.h, q.l, q.h * q.l, q.l, nullptr};
-  attn::scaled_dot_product_attention_into<S, S, float>(q.cview(), k.cview(), v.cview(), outputs,
-                                                       options);
-  return r;
-}
+using Outputs = attn_test::OutAndLse;
+using attn_test::out_and_lse;
 
 /// The sweep of one storage type S (bfloat16, or float with ComputePrecision::bf16).
 template <class S>
@@ -116,11 +102,11 @@ void check_against_rounded_reference(attn::ComputePrecision compute, const char*
       o.options.compute = compute;
       INFO(name << ", " << attn_test::describe(p, kind) << ", tiles " << z.query_tile << " x "
                 << z.key_tile << ", " << attn::isa_name(attn::active_isa()));
-      const Outputs got = run(q, k, v, o.options);
+      const Outputs got = out_and_lse(q, k, v, o.options);
       if (!bf16_level()) {  // the fp32 path, bit for bit
         attn::AttentionOptions<float> fp32 = o.options;
         fp32.compute = attn::ComputePrecision::fp32;
-        const Outputs expected = run(q, k, v, fp32);
+        const Outputs expected = out_and_lse(q, k, v, fp32);
         CHECK(got.out.data == expected.out.data);
         CHECK(got.lse.data == expected.lse.data);
         continue;
@@ -201,9 +187,9 @@ TEST_CASE("bf16 products: the same bits for any thread count, and NaN propagates
 #ifdef _OPENMP
   const int threads = omp_get_max_threads();
   omp_set_num_threads(1);
-  const Outputs one = run(q, k, v, options);
+  const Outputs one = out_and_lse(q, k, v, options);
   omp_set_num_threads(3);
-  const Outputs three = run(q, k, v, options);
+  const Outputs three = out_and_lse(q, k, v, options);
   omp_set_num_threads(threads);
   CHECK(one.out.data == three.out.data);
   CHECK(one.lse.data == three.lse.data);
@@ -212,7 +198,7 @@ TEST_CASE("bf16 products: the same bits for any thread count, and NaN propagates
   v.data[static_cast<std::size_t>(10 * 64 + 3)] =
       Eigen::bfloat16(std::nanf(""));  // b 0, h 0, key 10
   k.data[static_cast<std::size_t>(((1 * 4 + 2) * 333 + 5) * 64)] = Eigen::bfloat16(std::nanf(""));
-  const Outputs nan = run(q, k, v, options);
+  const Outputs nan = out_and_lse(q, k, v, options);
   // b 0, query head 0 (kv head 0): every query sees key 10 (bottom-right, Lk > Lq)
   for (Index i = 0; i < 200; ++i)
     CHECK(std::isnan(nan.out.data[static_cast<std::size_t>(i * 64 + 3)]));
@@ -223,7 +209,7 @@ TEST_CASE("bf16 products: the same bits for any thread count, and NaN propagates
     CHECK(std::isnan(nan.lse.data[static_cast<std::size_t>(row)]));
   }
   // and nothing else: b 1, head 1 is untouched
-  const Outputs clean = run(q, k, v, options);
+  const Outputs clean = out_and_lse(q, k, v, options);
   for (Index i = 0; i < Index(200) * 64; ++i) {
     const auto at = static_cast<std::size_t>(Index(1 * 4 + 1) * 200 * 64 + i);
     CHECK(nan.out.data[at] == clean.out.data[at]);
@@ -272,9 +258,9 @@ TEST_CASE("bf16 products: accuracy against the unrounded reference on typical in
     attn::AttentionOptions<float> options;
     options.algorithm = attn::Algorithm::flash;
     options.compute = attn::ComputePrecision::bf16;
-    const Accuracy bf16 = accuracy(run(q, k, v, options).out.data, reference.out);
+    const Accuracy bf16 = accuracy(out_and_lse(q, k, v, options).out.data, reference.out);
     options.compute = attn::ComputePrecision::fp32;
-    const Accuracy fp32 = accuracy(run(q, k, v, options).out.data, reference.out);
+    const Accuracy fp32 = accuracy(out_and_lse(q, k, v, options).out.data, reference.out);
     INFO("D " << dim << ", " << attn::isa_name(attn::active_isa()) << ": bf16 cosine "
               << bf16.cosine << ", relative L1 " << bf16.relative_l1 << ", max " << bf16.max_abs
               << "; fp32 cosine " << fp32.cosine << ", relative L1 " << fp32.relative_l1 << ", max "
@@ -317,14 +303,14 @@ TEST_CASE(
         CHECK(a.out.data == b.out.data);
         CHECK(a.lse.data == b.lse.data);
       };
-      both([&] { return run(q, k, v, options); });     // float
-      both([&] { return run(qb, kb, vb, options); });  // bfloat16
+      both([&] { return out_and_lse(q, k, v, options); });     // float
+      both([&] { return out_and_lse(qb, kb, vb, options); });  // bfloat16
     } else {  // no bf16 products here: asking for them changes no bit
       attn::AttentionOptions<float> opt_in = options;
       opt_in.compute = attn::ComputePrecision::bf16;
-      const Outputs a = run(q, k, v, options), b = run(q, k, v, opt_in);
+      const Outputs a = out_and_lse(q, k, v, options), b = out_and_lse(q, k, v, opt_in);
       CHECK(a.out.data == b.out.data);
-      const Outputs c = run(qb, kb, vb, options), d = run(qb, kb, vb, opt_in);
+      const Outputs c = out_and_lse(qb, kb, vb, options), d = out_and_lse(qb, kb, vb, opt_in);
       CHECK(c.out.data == d.out.data);
     }
   }
@@ -333,25 +319,11 @@ TEST_CASE(
 TEST_CASE("bf16 products: a paged bfloat16 cache gives the contiguous cache's bits",
           "[isa][bf16]") {
   std::mt19937 rng(1604);
-  const Index kv_heads = 2, dim = 64, length = 500, page = 64;
-  const Heads<float> k = random_heads<float>(1, kv_heads, length, dim, rng);
-  const Heads<float> v = random_heads<float>(1, kv_heads, length, dim, rng);
-  attn::KVCache<Eigen::bfloat16> contiguous(1, kv_heads, dim, dim, 0);
-  attn::PagedKVCache<Eigen::bfloat16> paged(kv_heads, dim, dim, page);
-  contiguous.append(k.cview(), v.cview());
-  const std::vector<Index> ids{paged.add_sequence()};
-  paged.append(ids, k.cview(), v.cview());
-  const Heads<float> q = random_heads<float>(1, 8, 90, dim, rng);  // a chunk of prefill
   attn::AttentionOptions<float> options;
-  options.algorithm = attn::Algorithm::flash;
+  options.algorithm = attn::Algorithm::flash;  // a chunk of prefill
   options.compute = attn::ComputePrecision::bf16;
-  Heads<float> a(1, 8, 90, dim), b(1, 8, 90, dim);
-  contiguous.attend_into(q.cview(), a.view(), options);
-  paged.attend_into(ids, q.cview(), b.view(), options);
-  CHECK(a.data == b.data);
+  const attn_test::PagedPrefill r = attn_test::paged_prefill<Eigen::bfloat16>(64, options, rng);
+  CHECK(r.paged == r.contiguous);
   // and the opt-in changes the result exactly where the level has the products
-  Heads<float> c(1, 8, 90, dim);
-  options.compute = attn::ComputePrecision::fp32;
-  contiguous.attend_into(q.cview(), c.view(), options);
-  CHECK((a.data != c.data) == bf16_level());
+  CHECK((r.contiguous != r.fp32) == bf16_level());
 }

@@ -55,13 +55,16 @@
 #define ATTN_BF16_KERNEL_INSTANCES(X)                                \
   X(attn::detail::avx512_bf16::flash_tile_bf16<float, float, float>) \
   X(attn::detail::avx512_bf16::flash_tile_bf16<float, Eigen::bfloat16, Eigen::bfloat16>)
-// Of the avx512_vnni level (kernels/int8_decode.hpp): decode's scores on int8 products, for
-// the keys they read.
+// Of the avx512_vnni level (kernels/int8_decode.hpp, kernels/int8_tiles.hpp): decode's and
+// flash's scores on int8 products, for the keys they read.
 #define ATTN_INT8_KERNEL_INSTANCES(X)                                                      \
   X(attn::detail::avx512_vnni::decode_split_int8<float, attn::BlockQ8_0, attn::BlockQ8_0>) \
   X(attn::detail::avx512_vnni::decode_split_int8<float, attn::BlockQ8_0, attn::BlockQ4_0>) \
   X(attn::detail::avx512_vnni::decode_split_int8<float, attn::BlockQ4_0, attn::BlockQ8_0>) \
-  X(attn::detail::avx512_vnni::decode_split_int8<float, attn::BlockQ4_0, attn::BlockQ4_0>)
+  X(attn::detail::avx512_vnni::decode_split_int8<float, attn::BlockQ4_0, attn::BlockQ4_0>) \
+  X(attn::detail::avx512_vnni::flash_tile_int8<float, float, float>)                       \
+  X(attn::detail::avx512_vnni::flash_tile_int8<float, Eigen::half, Eigen::half>)           \
+  X(attn::detail::avx512_vnni::flash_tile_int8<float, Eigen::bfloat16, Eigen::bfloat16>)
 // Of the generic namespace: the same, and double.
 #define ATTN_GENERIC_KERNEL_INSTANCES(X)                         \
   ATTN_VECTOR_KERNEL_INSTANCES(X, attn::detail::generic)         \

@@ -44,17 +44,19 @@ inline const char* algorithm_name(Algorithm algorithm) {
 ///   bf16: the flash kernel, on an instruction set with bf16 dot products (Isa::avx512_bf16),
 ///     rounds q, k, v and the probabilities P to bfloat16 and accumulates in float; K or V
 ///     stored as half or quantized blocks, other kernels and other CPUs compute in fp32.
-///   int8: the decode kernel, on an instruction set with int8 dot products (Isa::avx512_vnni
-///     and above), reads keys stored as q8_0 or q4_0 blocks as int8 and quantizes each query
-///     row per block of 32 to int8 (q k^T exact in int32, scaled in float; P V in fp32);
-///     other storage, kernels and CPUs compute in fp32.
+///   int8: q k^T on int8 dot products with int32 sums, on an instruction set that has them
+///     (Isa::avx512_vnni and above); P V in fp32. The decode kernel reads keys stored as q8_0
+///     or q4_0 blocks as int8 and quantizes each query row per block of 32; the flash kernel
+///     reads keys stored as float, half or bfloat16, subtracts the mean key of the head and
+///     quantizes each key and query row (SageAttention's smoothing, the mean's share added
+///     back in float). Other storage, kernels and CPUs compute in fp32.
 /// fp32 is the default everywhere, bfloat16 inputs and quantized caches included: on the Xeon
 /// measured, bf16 dot products ran at half the FLOP rate of its fp32 FMAs, and int8 products
 /// change the result by the query's quantization.
 enum class ComputePrecision : std::uint8_t {
   fp32,  ///< 16-bit inputs widened to float, products in float (the same bits on every CPU)
   bf16,  ///< bf16 products where they exist, for bfloat16 or float inputs (rounded as read)
-  int8,  ///< decode's q k^T on int8 products where they exist, for q8_0 and q4_0 keys
+  int8,  ///< q k^T on int8 products where they exist: decode over q8_0/q4_0 keys, flash
 };
 
 inline const char* precision_name(ComputePrecision precision) {

@@ -64,7 +64,8 @@ struct KernelPlan {
   int threads = 1;               ///< threads the call may use
   /// flash: q k^T and P V on bf16 dot products with float sums (ComputePrecision::bf16)
   bool bf16_products = false;
-  /// decode: q k^T on int8 products, the queries quantized (ComputePrecision::int8)
+  /// q k^T on int8 products (ComputePrecision::int8): decode over keys in q8_0 or q4_0 blocks,
+  /// the queries quantized; flash over keys not in blocks, keys and queries quantized
   bool int8_products = false;
 
   std::string describe() const {
@@ -340,7 +341,11 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
   plan.bf16_products = compute == ComputePrecision::bf16 && std::is_same_v<T, float> &&
                        plan.isa == Isa::avx512_bf16 && plan.algorithm == Algorithm::flash &&
                        shape.bf16_readable_kv && !shape.kv_quantized;
-  plan.int8_products = int8_readable && plan.algorithm == Algorithm::decode;
+  // int8 products in flash: keys (and values) not in blocks, quantized per row by the kernel.
+  const bool int8_flash = compute == ComputePrecision::int8 && std::is_same_v<T, float> &&
+                          has_int8_products(isa) && plan.algorithm == Algorithm::flash &&
+                          !shape.kv_quantized;
+  plan.int8_products = (int8_readable && plan.algorithm == Algorithm::decode) || int8_flash;
   detail::plan_threads(plan, detail::attention_flops(shape));
   return plan;
 }

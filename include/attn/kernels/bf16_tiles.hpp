@@ -263,18 +263,8 @@ struct Bf16TileProducts {
                          acc[r][c]);
       }
     }
-    if (column_max != nullptr) {
-#pragma GCC unroll 4
-      for (std::size_t c = 0; c < C; ++c) {
-        vec column[R];
-#pragma GCC unroll 16
-        for (std::size_t r = 0; r < R; ++r)
-          column[r] = acc[r][c];
-        float* running = column_max + lanes * static_cast<Index>(c);
-        _mm512_storeu_ps(running,
-                         avx512::maximum(avx512::max_tree<R>(column), _mm512_loadu_ps(running)));
-      }
-    }
+    if (column_max != nullptr)
+      avx512::update_column_max(acc, column_max);
   }
 
   /// scores_block for `rows` (1 .. R) keys.

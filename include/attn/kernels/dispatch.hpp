@@ -1,9 +1,10 @@
 // attn/kernels/dispatch.hpp: the one place that turns an instruction set into its kernels.
 //
 // Every instruction-set namespace (generic, avx2, avx512) ends with one Table
-// (simd/table.inl) of its entry points; avx512_vnni's Table is avx512's with decode's scores
-// on int8 dot products added (kernels/int8_decode.hpp), and avx512_bf16's is avx512_vnni's
-// with the flash kernel on bf16 dot products added (kernels/bf16_tiles.hpp):
+// (simd/table.inl) of its entry points; avx512_vnni's Table is avx512's with decode's and
+// flash's scores on int8 dot products added (kernels/int8_decode.hpp, kernels/int8_tiles.hpp),
+// and avx512_bf16's is avx512_vnni's with the flash kernel on bf16 dot products added
+// (kernels/bf16_tiles.hpp):
 //
 //   forward<T, SK, SV>  flash_tile                           (kernels/online_softmax.inl)
 //   decode<T, SK, SV>  decode_split, merge_splits            (kernels/online_softmax.inl)
@@ -31,6 +32,7 @@
 #include "attn/kernels/bf16_tiles.hpp"
 #include "attn/kernels/gemm.hpp"
 #include "attn/kernels/int8_decode.hpp"
+#include "attn/kernels/int8_tiles.hpp"
 #include "attn/kernels/online_softmax.hpp"
 #include "attn/kernels/rope.hpp"
 #include "attn/precision.hpp"
@@ -46,6 +48,9 @@ struct ForwardKernels {
   decltype(&generic::flash_tile<T, SK, SV>) flash_tile;
   /// The same on bf16 dot products (KernelPlan::bf16_products): null but on avx512_bf16.
   decltype(&generic::flash_tile<T, SK, SV>) flash_tile_bf16 = nullptr;
+  /// The same with q k^T on int8 dot products (KernelPlan::int8_products): null but on
+  /// avx512_vnni and avx512_bf16, for K and V not in quantized blocks.
+  decltype(&generic::flash_tile<T, SK, SV>) flash_tile_int8 = nullptr;
 
   Index padded(Index n) const { return (n + lanes - 1) / lanes * lanes; }
 };
@@ -104,10 +109,24 @@ constexpr decltype(&avx512::decode_split<T, SK, SV>) int8_decode_split() {
     return nullptr;
 }
 
-/// avx512's table, and decode's scores on int8 products.
+/// The flash tile on int8 q k^T where it applies (float compute, K and V not in blocks), else
+/// null.
+template <class T, class SK, class SV>
+constexpr decltype(&avx512::flash_tile<T, SK, SV>) int8_flash_tile() {
+  if constexpr (std::is_same_v<T, float> && !is_quantized_v<SK> && !is_quantized_v<SV>)
+    return &flash_tile_int8<T, SK, SV>;
+  else
+    return nullptr;
+}
+
+/// avx512's table, and decode's and flash's scores on int8 products.
 struct Table : avx512::Table {
   static constexpr Isa level = isa;
   static const char* name() { return isa_name(level); }
+
+  template <class T, class SK, class SV>
+  static constexpr ForwardKernels<T, SK, SV> forward{level, lanes, &avx512::flash_tile<T, SK, SV>,
+                                                     nullptr, int8_flash_tile<T, SK, SV>()};
 
   template <class T, class SK, class SV>
   static constexpr DecodeKernels<T, SK, SV> decode{
@@ -138,7 +157,8 @@ struct Table : avx512_vnni::Table {
 
   template <class T, class SK, class SV>
   static constexpr ForwardKernels<T, SK, SV> forward{level, lanes, &avx512::flash_tile<T, SK, SV>,
-                                                     bf16_flash_tile<T, SK, SV>()};
+                                                     bf16_flash_tile<T, SK, SV>(),
+                                                     avx512_vnni::int8_flash_tile<T, SK, SV>()};
   template <class T, class SK, class SV>
   static constexpr DecodeKernels<T, SK, SV> decode{
       level, avx512::widens_in_registers, &avx512::decode_split<T, SK, SV>,

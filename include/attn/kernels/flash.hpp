@@ -20,7 +20,10 @@
 // Bq * (D + Dv) when q and out are; independent of Lq and Lk. Float, D = Dv = 64, default
 // tiles: 197 KiB (128 x 256), 98 KiB causal (64 x 256). On bf16 products
 // (KernelPlan::bf16_products) add (W + Bk) (D + 1) + Bk (Dv + 1) 16-bit values, the
-// operands in pairs (kernels/bf16_tiles.hpp): 74 KiB more at D = Dv = 64, 128 x 256.
+// operands in pairs (kernels/bf16_tiles.hpp): 74 KiB more at D = Dv = 64, 128 x 256. On int8
+// products (KernelPlan::int8_products) add the head's keys quantized, Lk (4 ceil(D / 4) + 8)
+// bytes, and the query tile's, about W D bytes (kernels/int8_tiles.hpp): 1.1 MiB more at
+// Lk = 8192, D = 128: the one kernel here whose memory grows with Lk.
 #pragma once
 
 #include <algorithm>
@@ -61,8 +64,10 @@ void run_flash(const KernelPlan& plan,
     NarrowedRows<T, TO> out_rows;
   };
   const ForwardKernels<T, TK, TV>& kernels = forward_kernels<T, TK, TV>(plan.isa);
-  // bf16 products (the plan's choice, available only where the table has them)
-  const auto flash_tile = plan.bf16_products ? kernels.flash_tile_bf16 : kernels.flash_tile;
+  // bf16 or int8 products (the plan's choice, available only where the table has them)
+  const auto flash_tile = plan.bf16_products   ? kernels.flash_tile_bf16
+                          : plan.int8_products ? kernels.flash_tile_int8
+                                               : kernels.flash_tile;
   ATTN_ASSERT(flash_tile != nullptr);
   const auto make_scratch = [&] {
     Scratch scratch;
@@ -73,6 +78,8 @@ void run_flash(const KernelPlan& plan,
                                         k.pages != nullptr || v.pages != nullptr);
     if (plan.bf16_products)
       scratch.workspace.reserve_bf16(width, key_tile, q.dim, value_dim);
+    if (plan.int8_products)
+      scratch.workspace.reserve_int8_flash(width, q.dim);
     return scratch;
   };
   for_each_item(plan.work_items, plan.parallel, make_scratch, [&](Index item, Scratch& s) {

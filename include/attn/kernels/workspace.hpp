@@ -24,6 +24,11 @@
 //                                   of 32, (R, D/32) float scales and int32 offsets
 //   int8_keys, int8_key_scales      a panel of 16 keys transposed for int8 products: (D/4,
 //                                   16, 4) bytes, (D/32, 16) float scales
+//   int8_query_words, _scales, _means, _row   flash's query tile on int8 products
+//                                   (kernels/int8_tiles.hpp): (D4, W) words of four bytes,
+//                                   (W) scales and q . mean key, one row's bytes (4 D4)
+//   int8_head                       flash's keys of one head quantized for int8 products
+//                                   (QuantizedKeyHead)
 //
 // Sized once per call, reused for every work item of the thread; what that costs is stated
 // with each kernel (kernels/flash.hpp, kernels/decode.hpp).
@@ -77,6 +82,18 @@ class Scratch {
   Index rows_ = 0, cols_ = 0;
 };
 
+/// The keys of one (b, kv head) quantized for flash's int8 products (kernels/int8_tiles.hpp),
+/// kept while consecutive work items read the same head of the same view.
+struct QuantizedKeyHead {
+  Scratch<std::int8_t> keys;      // (Lk, 4 D4) each row minus the mean, quantized
+  Scratch<float> scales;          // (Lk) each row's d
+  Scratch<std::int32_t> offsets;  // (Lk) -128 * the sum of each row's values
+  Scratch<float> mean;            // (D rounded up to 16) the mean key, zeros past D
+  Scratch<float> rows, centered;  // a chunk of widened rows, (D) one row minus the mean
+  const void* source = nullptr;   // the view's data, and the head below: what `keys` holds
+  Index batch = -1, head = -1;
+};
+
 template <class T>
 struct Workspace {
   Scratch<T> q, s, acc;
@@ -89,6 +106,10 @@ struct Workspace {
   Scratch<float> int8_scales, int8_key_scales;
   Scratch<std::int32_t> int8_offsets;
   Scratch<std::uint8_t> int8_keys;
+  Scratch<std::uint32_t> int8_query_words;
+  Scratch<float> int8_query_scales, int8_query_means;
+  Scratch<std::int8_t> int8_query_row;
+  QuantizedKeyHead int8_head;
 
   /// Flash: query tiles of up to `width` (padded) queries, key tiles of up to `keys` keys.
   void reserve_flash(Index width, Index keys, Index dim, Index value_dim, bool widens_kv) {
@@ -111,6 +132,16 @@ struct Workspace {
     bf16_p.resize(keys2, width);
     bf16_k.resize(keys, dim2);
     bf16_v.resize(keys2, value_dim);
+  }
+
+  /// Flash on int8 products: query tiles of up to `width` (padded) queries of `dim` values
+  /// (the head's keys are sized as they are quantized).
+  void reserve_int8_flash(Index width, Index dim) {
+    const Index quads = (dim + 3) / 4;
+    int8_query_words.resize(quads, width);
+    int8_query_scales.resize(width);
+    int8_query_means.resize(width);
+    int8_query_row.resize(4 * quads);
   }
 
   /// Decode on int8 products: `rows` = G * Lq queries of `dim` (a multiple of 32) values.

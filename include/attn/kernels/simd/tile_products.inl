@@ -65,6 +65,22 @@ inline vec max_tree(const vec* x) {
     return maximum(max_tree<N / 2>(x), max_tree<N - N / 2>(x + N / 2));
 }
 
+/// column_max[0:C lanes) = max(column_max, max_r block[r][:]): the column maxima of an (R x C
+/// vectors) block of scores while it is still in registers (the products on bf16 and int8
+/// dot products use it too).
+template <std::size_t R, std::size_t C>
+inline void update_column_max(const vec (&block)[R][C], float* column_max) {
+#pragma GCC unroll 4
+  for (std::size_t c = 0; c < C; ++c) {
+    vec column[R];
+#pragma GCC unroll 16
+    for (std::size_t r = 0; r < R; ++r)
+      column[r] = block[r][c];
+    float* running = column_max + lanes * static_cast<Index>(c);
+    store(running, maximum(max_tree<R>(column), load(running)));
+  }
+}
+
 /// st[r, 0:C lanes) = sum_d k[r, d] * qt[d, 0:C lanes) for r < R: an (R x C vectors) register
 /// block (`accumulating`: st[r, :] += that sum, in the same order; `k_transposed`: k[r, d] is
 /// read at k[d * k_stride + r], a column of a row-major (D, R) block). With `column_max`, also
@@ -106,17 +122,8 @@ inline void scores_block(const float* k, Index k_stride,    // (R, D) rows of k
     for (std::size_t c = 0; c < C; ++c)
       store(st + static_cast<Index>(r) * st_stride + lanes * static_cast<Index>(c), acc[r][c]);
   }
-  if (column_max != nullptr) {
-#pragma GCC unroll 4
-    for (std::size_t c = 0; c < C; ++c) {
-      vec column[R];
-#pragma GCC unroll 16
-      for (std::size_t r = 0; r < R; ++r)
-        column[r] = acc[r][c];
-      float* running = column_max + lanes * static_cast<Index>(c);
-      store(running, maximum(max_tree<R>(column), load(running)));
-    }
-  }
+  if (column_max != nullptr)
+    update_column_max(acc, column_max);
 }
 
 /// scores_block for `rows` (1 .. R) keys.
