@@ -6,8 +6,11 @@
 // maximum, so each row reports the peak up to and including that run) reaches 64 MiB.
 // Causal, so each run does half the work (~0.14 and ~0.55 TFLOP). Then the flash backward
 // (attn/attention_backward.hpp) at the lengths up to 32768 (~0.34 TFLOP there), under the same
-// 64 MiB rule: its extra memory does not grow with L either. ATTN_LONG_CONTEXT_LENGTH runs one
-// other length instead (the sanitizer build uses 8192).
+// 64 MiB rule: its extra memory does not grow with L either. Then the forward with q k^T on
+// int8 products (ComputePrecision::int8) where the CPU has them: its one cost that grows with
+// L, the head's keys quantized, L (D + 8) bytes per thread (kernels/int8_tiles.hpp), is
+// printed beside the peak. ATTN_LONG_CONTEXT_LENGTH runs one other length instead (the
+// sanitizer build uses 8192).
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -20,6 +23,7 @@
 
 #include <attn/attention.hpp>
 #include <attn/attention_backward.hpp>
+#include <attn/cpu.hpp>
 
 namespace {
 
@@ -129,6 +133,34 @@ int main() {
       std::printf("FAILED: peak extra memory %.2f MiB >= 64 MiB in the backward at L = %ld\n",
                   extra_mib, static_cast<long>(length));
       ok = false;
+    }
+  }
+  options.compute = attn::ComputePrecision::int8;
+  const int threads = attn::detail::max_threads();
+  if (attn::has_int8_products(attn::active_isa())) {
+    std::printf("\nflash on int8 q k^T, the same problems\n");
+    std::printf("%8s %9s %9s %19s %23s\n", "L", "time", "GFLOP/s", "peak extra memory",
+                "quantized keys, all threads");
+    for (const Index length : lengths) {
+      const auto start = std::chrono::steady_clock::now();
+      attn::scaled_dot_product_attention_into<float>(
+          attn::bhld_view(static_cast<const float*>(q.data()), Index(1), Index(1), length, dim),
+          attn::bhld_view(static_cast<const float*>(k.data()), Index(1), Index(1), length, dim),
+          attn::bhld_view(static_cast<const float*>(v.data()), Index(1), Index(1), length, dim),
+          attn::bhld_view(out.data(), Index(1), Index(1), length, dim), options);
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const double extra_mib = static_cast<double>(max_rss_kib() - before) / 1024.0;
+      const auto lf = static_cast<double>(length);
+      const double flops = 4.0 * lf * (lf + 1) / 2 * static_cast<double>(dim);
+      const double keys_mib = lf * static_cast<double>(dim + 8) * threads / (1024.0 * 1024.0);
+      std::printf("%8ld %7.2f s %9.1f %15.2f MiB %19.2f MiB\n", static_cast<long>(length), seconds,
+                  flops / seconds / 1e9, extra_mib, keys_mib);
+      if (extra_mib >= 64.0) {
+        std::printf("FAILED: peak extra memory %.2f MiB >= 64 MiB on int8 products at L = %ld\n",
+                    extra_mib, static_cast<long>(length));
+        ok = false;
+      }
     }
   }
   if (ok)
