@@ -67,15 +67,18 @@ int main() {
   std::printf("%8s %9s %9s %19s %23s\n", "L", "time", "GFLOP/s", "peak extra memory",
               "naive: (L, L) scores");
   bool ok = true;
-  for (const Index length : lengths) {
+  // One forward at `length` with `o`, timed: its seconds.
+  const auto timed_forward = [&](Index length, const attn::AttentionOptions<float>& o) {
     const auto start = std::chrono::steady_clock::now();
     attn::scaled_dot_product_attention_into<float>(
         attn::bhld_view(static_cast<const float*>(q.data()), Index(1), Index(1), length, dim),
         attn::bhld_view(static_cast<const float*>(k.data()), Index(1), Index(1), length, dim),
         attn::bhld_view(static_cast<const float*>(v.data()), Index(1), Index(1), length, dim),
-        attn::bhld_view(out.data(), Index(1), Index(1), length, dim), options);
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        attn::bhld_view(out.data(), Index(1), Index(1), length, dim), o);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  for (const Index length : lengths) {
+    const double seconds = timed_forward(length, options);
     const double extra_mib = static_cast<double>(max_rss_kib() - before) / 1024.0;
 
     bool finite = true;
@@ -142,14 +145,7 @@ int main() {
     std::printf("%8s %9s %9s %19s %23s\n", "L", "time", "GFLOP/s", "peak extra memory",
                 "quantized keys, all threads");
     for (const Index length : lengths) {
-      const auto start = std::chrono::steady_clock::now();
-      attn::scaled_dot_product_attention_into<float>(
-          attn::bhld_view(static_cast<const float*>(q.data()), Index(1), Index(1), length, dim),
-          attn::bhld_view(static_cast<const float*>(k.data()), Index(1), Index(1), length, dim),
-          attn::bhld_view(static_cast<const float*>(v.data()), Index(1), Index(1), length, dim),
-          attn::bhld_view(out.data(), Index(1), Index(1), length, dim), options);
-      const double seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const double seconds = timed_forward(length, options);
       const double extra_mib = static_cast<double>(max_rss_kib() - before) / 1024.0;
       const auto lf = static_cast<double>(length);
       const double flops = 4.0 * lf * (lf + 1) / 2 * static_cast<double>(dim);
