@@ -24,7 +24,8 @@
 //   prefill_formats        Lq = 1 .. 256 new queries against a KVCache of 4096 tokens of each
 //                          format through attend_into, decode against flash: the quantized
 //                          crossover of attn/plan.hpp (quantized_decode_max_queries)
-//   prefill_formats_int8   the same, decode on int8 products (q8_0 and q4_0, Lq <= 64)
+//   prefill_formats_int8   the same on int8 products (ComputePrecision::int8; q8_0 and q4_0):
+//                          decode (Lq <= 64) and flash (Lq >= 16)
 //   decode_before          what one query ran before the decode kernel: naive (automatic's
 //                          choice for Lq * Lk <= 64 * 64 until bench_plan's crossovers) and
 //                          flash
@@ -286,8 +287,8 @@ void BM_decode_format_int8(benchmark::State& state) {
 }
 
 /// Lq new queries (the cache's last Lq tokens) against a KVCache<S> of Lk tokens through the
-/// public attend_into, the kernel forced (arg 5: 0 decode, 1 flash, 2 decode on int8 products,
-/// ComputePrecision::int8): where a quantized cache
+/// public attend_into, the kernel forced (arg 5: 0 decode, 1 flash, 2 decode and 3 flash on
+/// int8 products, ComputePrecision::int8): where a quantized cache
 /// should stop decoding and dequantize tiles for flash. Validated against naive on the values
 /// the format reads back.
 template <class S>
@@ -295,7 +296,8 @@ void prefill_from_cache(benchmark::State& state, std::vector<float>& k, std::vec
                         Format format) {
   const Index q_length = state.range(0), k_length = state.range(1), q_heads = state.range(2),
               kv_heads = state.range(3), dim = 128;
-  const bool flash = state.range(5) == 1, int8 = state.range(5) == 2;
+  const bool flash = state.range(5) == 1 || state.range(5) == 3;
+  const bool int8 = state.range(5) >= 2;
   if (int8 && !attn::has_int8_products(attn::active_isa())) {
     state.SkipWithError("no int8 products on this CPU");
     return;
@@ -424,7 +426,7 @@ void register_all() {
   benchmark::RegisterBenchmark("prefill_formats", BM_prefill_format)
       ->ArgNames({"Lq", "Lk", "Hq", "Hkv", "format", "flash"})
       ->ArgsProduct({tiny ? std::vector<std::int64_t>{2, 16}
-                          : std::vector<std::int64_t>{1, 4, 8, 16, 32, 64, 256},
+                          : std::vector<std::int64_t>{1, 4, 8, 16, 32, 64, 128, 256},
                      {tiny ? 512 : 4096},
                      {8, 32},
                      {8},
@@ -432,8 +434,8 @@ void register_all() {
                      {0, 1}})
       ->UseRealTime()
       ->Unit(benchmark::kMicrosecond);
-  // Decode on int8 products (kernel 2; flash has none) from q8_0 and q4_0: the crossover of
-  // ComputePrecision::int8.
+  // Decode (kernel 2) and flash (kernel 3) on int8 products from q8_0 and q4_0: the crossover
+  // of ComputePrecision::int8, and flash's gain from it.
   benchmark::RegisterBenchmark("prefill_formats_int8", BM_prefill_format)
       ->ArgNames({"Lq", "Lk", "Hq", "Hkv", "format", "flash"})
       ->ArgsProduct(
@@ -443,6 +445,17 @@ void register_all() {
            {8},
            {2, 3},
            {2}})
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("prefill_formats_int8", BM_prefill_format)
+      ->ArgNames({"Lq", "Lk", "Hq", "Hkv", "format", "flash"})
+      ->ArgsProduct(
+          {tiny ? std::vector<std::int64_t>{16} : std::vector<std::int64_t>{16, 32, 64, 128, 256},
+           {tiny ? 512 : 4096},
+           {8, 32},
+           {8},
+           {2, 3},
+           {3}})
       ->UseRealTime()
       ->Unit(benchmark::kMicrosecond);
   // What one query used before: naive for Lk <= 4096 (automatic's tiny rule), else flash.

@@ -401,23 +401,32 @@ def table_prefill_formats():
 
 def table_prefill_formats_int8():
     _, b = bench("prefill_formats_int8.json")
-    lines = source("prefill_formats_int8.json", probes="times of one call, one thread; decode "
-                   "on fp32 products and on int8 products (ComputePrecision::int8), flash "
-                   "(which has none)")
-    lines += ["| Lk = 4096, D = 128, one thread | Lq | q8_0: flash / decode / decode int8 (ms) | "
-              "q4_0 | int8 decode over flash: q8_0 / q4_0 |", "|---|---|---|---|---|"]
+    lines = source("prefill_formats_int8.json", probes="times of one call, one thread; flash and "
+                   "decode on fp32 products and with ComputePrecision::int8 (\"int8 flash\" is "
+                   "what the plan runs: fp32 products below int8_flash_min_rows, 128 query rows "
+                   "per kv head, int8 from there)")
+    lines += ["| Lk = 4096, D = 128, one thread | Lq | q8_0: flash / int8 flash / decode / "
+              "int8 decode (ms) | q4_0 | int8 flash over flash: q8_0 / q4_0 | int8 decode over "
+              "flash |", "|---|---|---|---|---|---|"]
     lqs = sorted({int(re.match(r"prefill_formats_int8/Lq:(\d+)/", n).group(1))
                   for n in b if n.startswith("prefill_formats_int8/")})
     for hq in (8, 32):
         for lq in lqs:
             def time(f, kernel):
-                family = "prefill_formats_int8" if kernel == 2 else "prefill_formats"
-                return b[f"{family}/Lq:{lq}/Lk:4096/Hq:{hq}/Hkv:8/format:{f}/flash:{kernel}"][
-                    "real_time"] / 1e3
-            cells = [" / ".join(f"{time(f, k):.2f}" for k in (1, 0, 2)) for f in (2, 3)]
-            ratios = " / ".join(f"{time(f, 1) / time(f, 2):.2f}x" for f in (2, 3))
+                family = "prefill_formats_int8" if kernel >= 2 else "prefill_formats"
+                name = f"{family}/Lq:{lq}/Lk:4096/Hq:{hq}/Hkv:8/format:{f}/flash:{kernel}"
+                return b[name]["real_time"] / 1e3 if name in b else None
+
+            def ms(t):
+                return f"{t:.2f}" if t is not None else "-"
+
+            def over(a, c):
+                return f"{a / c:.2f}x" if a is not None and c is not None else "-"
+            cells = [" / ".join(ms(time(f, k)) for k in (1, 3, 0, 2)) for f in (2, 3)]
+            flash = " / ".join(over(time(f, 1), time(f, 3)) for f in (2, 3))
+            decode = " / ".join(over(time(f, 1), time(f, 2)) for f in (2, 3))
             heads = "Hq = Hkv = 8" if hq == 8 else "GQA 32/8"
-            lines.append(f"| {heads} | {lq} | " + " | ".join(cells) + f" | {ratios} |")
+            lines.append(f"| {heads} | {lq} | " + " | ".join(cells) + f" | {flash} | {decode} |")
     return lines
 
 

@@ -231,10 +231,13 @@ TEST_CASE("int8 products: what the plan says, and fp32 wherever they do not appl
   CHECK(automatic_at(16, automatic).int8_products == int8_level());
   CHECK((automatic_at(17, automatic).algorithm == attn::Algorithm::decode) == !vector_level);
   CHECK_FALSE(automatic_at(17, automatic).int8_products);
-  // never: flash, keys not in blocks (V in blocks only, half, float), double
+  // flash from int8_flash_min_rows query rows per kv head (tests/test_int8_flash.cpp)
+  CHECK(automatic_at(attn::int8_flash_min_rows, automatic).algorithm == attn::Algorithm::flash);
+  CHECK(automatic_at(attn::int8_flash_min_rows, automatic).int8_products == int8_level());
   attn::AttentionOptions<float> flash = opt_in;
   flash.algorithm = attn::Algorithm::flash;
-  CHECK_FALSE(attn::plan_attention<float>(blocks, flash).int8_products);
+  CHECK_FALSE(attn::plan_attention<float>(blocks, flash).int8_products);  // Lq = 1
+  // never: decode over keys not in blocks (V in blocks only, half, float), double
   attn::AttentionShape values_only = blocks;
   values_only.k_int8_readable = false;
   CHECK_FALSE(attn::plan_attention<float>(values_only, opt_in).int8_products);

@@ -1,7 +1,7 @@
 // ComputePrecision::int8 in the flash kernel (Isa::avx512_vnni and avx512_bf16,
-// kernels/int8_tiles.hpp): q k^T on int8 dot products over keys stored as float, half or
-// bfloat16, smoothed by the head's mean key. On those levels: against the long double
-// reference over the values the kernel multiplies (the mean key, each key row minus it and
+// kernels/int8_tiles.hpp): q k^T on int8 dot products over keys stored as float, half,
+// bfloat16 or q8_0/q4_0 blocks, smoothed by the head's mean key. On those levels: against the long
+// double reference over the values the kernel multiplies (the mean key, each key row minus it and
 // each query row quantized by the rule of docs/precision.md, re-implemented here on its own),
 // within twice the error of a plain float implementation over the same values, for every mask
 // kind, tiles around the edges, odd D, Dv != D and grouped-query heads; the log-sum-exp
@@ -20,6 +20,8 @@
 
 #include <attn/attention.hpp>
 #include <attn/cpu.hpp>
+#include <attn/kv_cache.hpp>
+#include <attn/quantized.hpp>
 
 #include "support/heads.hpp"
 #include "support/masked_problem.hpp"
@@ -124,12 +126,13 @@ void check_against_reference(const char* name) {
   struct Sizes {
     Index q_length, k_length, dim, value_dim, query_tile, key_tile;
   };
-  // one query; odd D (words of four bytes padded) with odd tiles; D under a vector; key
-  // counts around the register block of 12 keys; the default tiles at D = 128
+  // one query (fewer rows per kv head than int8_flash_min_rows: fp32 products); odd D (words
+  // of four bytes padded) with odd tiles; D under a vector; key counts around the register
+  // block of 8 keys; the default tiles at D = 128. Two query heads per kv head.
   const Sizes sizes[] = {{1, 7, 64, 64, 0, 0},
-                         {37, 300, 64, 24, 0, 0},
-                         {37, 300, 33, 40, 5, 7},
-                         {20, 45, 6, 16, 16, 13},
+                         {64, 300, 64, 24, 0, 0},
+                         {67, 300, 33, 40, 5, 7},
+                         {64, 45, 6, 16, 16, 13},
                          {130, 513, 128, 64, 0, 0}};
   for (const Sizes& z : sizes) {
     // keys with a shared offset per column, which the mean takes out before quantizing
@@ -154,7 +157,7 @@ void check_against_reference(const char* name) {
                 << z.query_tile << " x " << z.key_tile << ", "
                 << attn::isa_name(attn::active_isa()));
       const Outputs got = out_and_lse(q, k, v, o.options);
-      if (!int8_level()) {  // the fp32 path, bit for bit
+      if (!int8_level() || 2 * z.q_length < attn::int8_flash_min_rows) {  // fp32, bit for bit
         attn::AttentionOptions<float> fp32 = o.options;
         fp32.compute = attn::ComputePrecision::fp32;
         const Outputs expected = out_and_lse(q, k, v, fp32);
@@ -182,7 +185,75 @@ void check_against_reference(const char* name) {
   }
 }
 
+/// x as a cache in Block stores it and reads it back: each row quantized and dequantized.
+template <class Block>
+Heads<float> read_back(const Heads<float>& x) {
+  Heads<float> out = x;
+  const auto dim = static_cast<std::ptrdiff_t>(x.d);
+  for (auto row = x.data.begin(); row != x.data.end(); row += dim) {
+    const std::vector<float> back =
+        attn::dequantize_blocks(attn::quantize_blocks<Block>(std::vector<float>(row, row + dim)));
+    std::copy(back.begin(), back.end(), out.data.begin() + (row - x.data.begin()));
+  }
+  return out;
+}
+
+/// A chunk of prefill from a KVCache<BK, BV> on int8 products: the kernel dequantizes the
+/// keys, then quantizes them as float keys, so the reference is check_against_reference's
+/// over the values the blocks read back.
+template <class BK, class BV>
+void check_blocks(const char* name) {
+  std::mt19937 rng(3455);
+  const Index kv_heads = 2, q_heads = 4, q_length = 70, k_length = 300, dim = 64, value_dim = 32;
+  Heads<float> k = random_heads<float>(1, kv_heads, k_length, dim, rng, 1.5);
+  for (std::size_t n = 0; n < k.data.size(); ++n)
+    k.data[n] += 0.5f * static_cast<float>(n % static_cast<std::size_t>(dim) % 5);
+  const Heads<float> v = random_heads<float>(1, kv_heads, k_length, value_dim, rng);
+  const Heads<float> q = random_heads<float>(1, q_heads, q_length, dim, rng, 1.5);
+  attn::KVCache<BK, BV> cache(1, kv_heads, dim, value_dim, 0);
+  cache.append(k.cview(), v.cview());
+  attn::AttentionOptions<float> options;
+  options.algorithm = attn::Algorithm::flash;
+  options.compute = attn::ComputePrecision::int8;
+  Heads<float> got(1, q_heads, q_length, value_dim), fp32(1, q_heads, q_length, value_dim);
+  cache.attend_all_into(q.cview(), got.view(), options);
+  options.compute = attn::ComputePrecision::fp32;
+  cache.attend_all_into(q.cview(), fp32.view(), options);
+  INFO(name << ", " << attn::isa_name(attn::active_isa()));
+  if (!int8_level()) {
+    CHECK(got.data == fp32.data);
+    return;
+  }
+  const float scale = 0.125f;  // 1 / sqrt(64), the default
+  const Multiplied m = multiplied(q, read_back<BK>(k), scale);
+  Problem doubled =
+      attn_test::sized_problem(1, q_heads, kv_heads, q_length, k_length, 2 * dim, value_dim);
+  doubled.scale = 1.0L;
+  const std::vector<long double> vr = attn_test::exact(read_back<BV>(v));
+  const auto exact = attn_test::reference::attention<long double>(doubled, m.q, m.k, vr);
+  const auto plain = attn_test::reference::attention<float>(doubled, m.q, m.k, vr);
+  const double plain_error = max_error(plain.out, exact.out);
+  const double error = max_error(got.data, exact.out);
+  INFO("error " << error << ", plain float error " << plain_error);
+  CHECK(error <= attn_test::error_bound<float>(plain_error));
+  CHECK(got.data != fp32.data);
+}
+
 }  // namespace
+
+TEST_CASE("int8 flash: keys and values in q8_0 and q4_0 blocks, dequantized as they are read",
+          "[isa][int8]") {
+  check_blocks<attn::BlockQ8_0, attn::BlockQ8_0>("K q8_0, V q8_0");
+  check_blocks<attn::BlockQ4_0, attn::BlockQ8_0>("K q4_0, V q8_0");
+  check_blocks<attn::BlockQ8_0, attn::BlockQ4_0>("K q8_0, V q4_0");
+  std::mt19937 rng(3456);
+  attn::AttentionOptions<float> options;
+  options.algorithm = attn::Algorithm::flash;
+  options.compute = attn::ComputePrecision::int8;
+  const attn_test::PagedPrefill r = attn_test::paged_prefill<attn::BlockQ4_0>(128, options, rng);
+  CHECK(r.paged == r.contiguous);
+  CHECK((r.contiguous != r.fp32) == int8_level());
+}
 
 TEST_CASE("int8 flash: float inputs within twice a plain float implementation's error",
           "[isa][int8]") {
@@ -211,13 +282,20 @@ TEST_CASE("int8 flash: what the plan says, and fp32 wherever it does not apply",
   automatic.algorithm = attn::Algorithm::automatic;
   CHECK(attn::plan_attention<float>(floats, automatic).algorithm == attn::Algorithm::flash);
   CHECK(attn::plan_attention<float>(floats, automatic).int8_products == int8_level());
-  // never: keys or values in blocks (flash there keeps fp32), decode over keys not in
-  // blocks, the other kernels, double
+  // keys in blocks too (dequantized as they are read)
   attn::AttentionShape blocks = floats;
   blocks.kv_element_bytes = 1;
   blocks.kv_quantized = true;
   blocks.k_int8_readable = true;
-  CHECK_FALSE(attn::plan_attention<float>(blocks, opt_in).int8_products);
+  CHECK(attn::plan_attention<float>(blocks, opt_in).int8_products == int8_level());
+  // from int8_flash_min_rows query rows per kv head (G Lq) on: 64 queries of one head per kv
+  // head are too few, of two enough
+  attn::AttentionShape chunk = floats;
+  chunk.q_length = attn::int8_flash_min_rows / 2;
+  CHECK_FALSE(attn::plan_attention<float>(chunk, opt_in).int8_products);
+  chunk.kv_heads = 4;
+  CHECK(attn::plan_attention<float>(chunk, opt_in).int8_products == int8_level());
+  // never: decode over keys not in blocks, the other kernels, double
   for (const attn::Algorithm other :
        {attn::Algorithm::decode, attn::Algorithm::naive, attn::Algorithm::chunked}) {
     attn::AttentionOptions<float> options = opt_in;

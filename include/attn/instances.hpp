@@ -64,7 +64,11 @@
   X(attn::detail::avx512_vnni::decode_split_int8<float, attn::BlockQ4_0, attn::BlockQ4_0>) \
   X(attn::detail::avx512_vnni::flash_tile_int8<float, float, float>)                       \
   X(attn::detail::avx512_vnni::flash_tile_int8<float, Eigen::half, Eigen::half>)           \
-  X(attn::detail::avx512_vnni::flash_tile_int8<float, Eigen::bfloat16, Eigen::bfloat16>)
+  X(attn::detail::avx512_vnni::flash_tile_int8<float, Eigen::bfloat16, Eigen::bfloat16>)   \
+  X(attn::detail::avx512_vnni::flash_tile_int8<float, attn::BlockQ8_0, attn::BlockQ8_0>)   \
+  X(attn::detail::avx512_vnni::flash_tile_int8<float, attn::BlockQ8_0, attn::BlockQ4_0>)   \
+  X(attn::detail::avx512_vnni::flash_tile_int8<float, attn::BlockQ4_0, attn::BlockQ8_0>)   \
+  X(attn::detail::avx512_vnni::flash_tile_int8<float, attn::BlockQ4_0, attn::BlockQ4_0>)
 // Of the generic namespace: the same, and double.
 #define ATTN_GENERIC_KERNEL_INSTANCES(X)                         \
   ATTN_VECTOR_KERNEL_INSTANCES(X, attn::detail::generic)         \

@@ -47,9 +47,9 @@ inline const char* algorithm_name(Algorithm algorithm) {
 ///   int8: q k^T on int8 dot products with int32 sums, on an instruction set that has them
 ///     (Isa::avx512_vnni and above); P V in fp32. The decode kernel reads keys stored as q8_0
 ///     or q4_0 blocks as int8 and quantizes each query row per block of 32; the flash kernel
-///     reads keys stored as float, half or bfloat16, subtracts the mean key of the head and
-///     quantizes each key and query row (SageAttention's smoothing, the mean's share added
-///     back in float). Other storage, kernels and CPUs compute in fp32.
+///     reads keys in any storage (blocks dequantized first), subtracts the mean key of the
+///     head and quantizes each key and query row (SageAttention's smoothing, the mean's share
+///     added back in float). Other storage, kernels and CPUs compute in fp32.
 /// fp32 is the default everywhere, bfloat16 inputs and quantized caches included: on the Xeon
 /// measured, bf16 dot products ran at half the FLOP rate of its fp32 FMAs, and int8 products
 /// change the result by the query's quantization.

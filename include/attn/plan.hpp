@@ -65,7 +65,7 @@ struct KernelPlan {
   /// flash: q k^T and P V on bf16 dot products with float sums (ComputePrecision::bf16)
   bool bf16_products = false;
   /// q k^T on int8 products (ComputePrecision::int8): decode over keys in q8_0 or q4_0 blocks,
-  /// the queries quantized; flash over keys not in blocks, keys and queries quantized
+  /// the queries quantized; flash over keys in any storage, keys and queries quantized
   bool int8_products = false;
 
   std::string describe() const {
@@ -179,6 +179,15 @@ inline Index quantized_decode_max_queries(Isa isa, bool int8_products = false) {
   }
   return 64;
 }
+
+/// Flash on int8 products (ComputePrecision::int8) quantizes the keys of a kv head once per
+/// thread, O(Lk D), and gains on every query row that reads them: it takes calls with at least
+/// this many query rows per kv head (G Lq) and leaves the others on fp32 products. Measured
+/// on the Xeon (bench_decode's prefill_formats_int8, Lk = 4096, D = 128, q8_0 and q4_0, one
+/// thread, against flash on fp32 products; docs/performance.md): with this rule off, 0.36-0.63x
+/// at 16 rows, 0.74-0.80x at 32, 0.95-1.37x at 64; with it, 1.07-1.46x at 128 and 1.34-1.59x
+/// at 256 and more.
+inline constexpr Index int8_flash_min_rows = 128;
 
 /// Flash tiles (query rows, keys) by instruction set, measured with bench_attention's
 /// flash_tiles at D = 64 and 128 (docs/performance.md, "Tuning"). Causal attention takes 64
@@ -341,10 +350,13 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
   plan.bf16_products = compute == ComputePrecision::bf16 && std::is_same_v<T, float> &&
                        plan.isa == Isa::avx512_bf16 && plan.algorithm == Algorithm::flash &&
                        shape.bf16_readable_kv && !shape.kv_quantized;
-  // int8 products in flash: keys (and values) not in blocks, quantized per row by the kernel.
+  // int8 products in flash: keys (float, 16-bit, or blocks dequantized) quantized per row by
+  // the kernel, once per kv head and thread, so only where enough query rows share them.
+  const Index rows_per_kv_head =
+      (shape.kv_heads > 0 ? shape.q_heads / shape.kv_heads : Index(1)) * q_length;
   const bool int8_flash = compute == ComputePrecision::int8 && std::is_same_v<T, float> &&
                           has_int8_products(isa) && plan.algorithm == Algorithm::flash &&
-                          !shape.kv_quantized;
+                          rows_per_kv_head >= int8_flash_min_rows;
   plan.int8_products = (int8_readable && plan.algorithm == Algorithm::decode) || int8_flash;
   detail::plan_threads(plan, detail::attention_flops(shape));
   return plan;

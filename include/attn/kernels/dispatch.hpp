@@ -49,7 +49,7 @@ struct ForwardKernels {
   /// The same on bf16 dot products (KernelPlan::bf16_products): null but on avx512_bf16.
   decltype(&generic::flash_tile<T, SK, SV>) flash_tile_bf16 = nullptr;
   /// The same with q k^T on int8 dot products (KernelPlan::int8_products): null but on
-  /// avx512_vnni and avx512_bf16, for K and V not in quantized blocks.
+  /// avx512_vnni and avx512_bf16.
   decltype(&generic::flash_tile<T, SK, SV>) flash_tile_int8 = nullptr;
 
   Index padded(Index n) const { return (n + lanes - 1) / lanes * lanes; }
@@ -109,11 +109,10 @@ constexpr decltype(&avx512::decode_split<T, SK, SV>) int8_decode_split() {
     return nullptr;
 }
 
-/// The flash tile on int8 q k^T where it applies (float compute, K and V not in blocks), else
-/// null.
+/// The flash tile on int8 q k^T where it applies (float compute), else null.
 template <class T, class SK, class SV>
 constexpr decltype(&avx512::flash_tile<T, SK, SV>) int8_flash_tile() {
-  if constexpr (std::is_same_v<T, float> && !is_quantized_v<SK> && !is_quantized_v<SV>)
+  if constexpr (std::is_same_v<T, float>)
     return &flash_tile_int8<T, SK, SV>;
   else
     return nullptr;

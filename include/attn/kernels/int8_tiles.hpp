@@ -1,7 +1,8 @@
 // attn/kernels/int8_tiles.hpp: the flash kernel with q k^T on int8 dot products (AVX512-VNNI),
-// for the calls that ask for ComputePrecision::int8 with keys stored as float, half or
-// bfloat16: ForwardKernels::flash_tile_int8 of the avx512_vnni and avx512_bf16 levels
-// (kernels/dispatch.hpp). P V stays in fp32. SageAttention's recipe, per token:
+// for the calls that ask for ComputePrecision::int8: ForwardKernels::flash_tile_int8 of the
+// avx512_vnni and avx512_bf16 levels (kernels/dispatch.hpp). Keys stored as half or bfloat16
+// are widened and keys in q8_0 or q4_0 blocks dequantized (exactly) as they are read, then
+// quantized as float keys are. P V stays in fp32. SageAttention's recipe, per token:
 //
 //   k̄ = the mean key of the head (over its rows; non-finite values count as 0)
 //   each key row k_j - k̄ and each query row q_i, quantized on its own (docs/precision.md):
@@ -104,14 +105,14 @@ inline float quantize_row(const float* x, Index dim, std::int8_t* out, std::int3
   return amax / 127.0f;
 }
 
-/// row(j, x) for each row j of head (b, h) of k, x its `dim` values in float (16-bit keys
-/// widened and paged ones gathered, `chunk` rows at a time into `buffer`).
+/// row(j, x) for each row j of head (b, h) of k, x its D values in float (16-bit keys widened,
+/// blocks dequantized and paged rows gathered, `chunk` rows at a time into `buffer`).
 template <class SK, class Row>
 void for_each_key_row(const HeadsView<const SK>& k,  // (B, Hkv, Lk, D)
                       Index b, Index h, Scratch<float>& buffer, const Row& row) {
   constexpr Index chunk = 64;
   const Index rows = k.rows(b);
-  buffer.resize(chunk, k.dim);
+  buffer.resize(chunk, k.dim * values_per_unit_v<SK>);
   for (Index j0 = 0; j0 < rows; j0 += chunk) {
     const Index count = std::min(chunk, rows - j0);
     const HeadMatrix<const float> x = avx512::tile_rows<float, SK>(k, b, h, j0, count, buffer);
@@ -128,7 +129,8 @@ void quantize_key_head(const HeadsView<const SK>& k,  // (B, Hkv, Lk, D)
   QuantizedKeyHead& head = workspace.int8_head;
   if (head.source == k.data && head.batch == b && head.head == kv_head)
     return;
-  const Index rows = k.rows(b), dim = k.dim, row_bytes = 4 * quad_count(dim);
+  const Index rows = k.rows(b), dim = k.dim * values_per_unit_v<SK>;
+  const Index row_bytes = 4 * quad_count(dim);
   const Index dim_padded = (dim + lanes - 1) / lanes * lanes;
   head.keys.resize(rows, row_bytes);
   head.scales.resize(rows);
@@ -338,7 +340,7 @@ void flash_tile_int8(const HeadMatrix<const T>& q,  // (rows, D)  queries i0 ..
                      const AttentionProblem<T>& problem, Index b, Index h, Index kv_head, T scale,
                      Index i0, Index key_tile, Workspace<T>& workspace,
                      T* logsumexp) {  // (rows) or null
-  static_assert(std::is_same_v<T, float> && !is_quantized_v<SK> && !is_quantized_v<SV>);
+  static_assert(std::is_same_v<T, float>);
   quantize_key_head(k, b, kv_head, workspace);
   avx512::flash_tile_with<T, SK, SV, Int8TileProducts<SK, SV>>(
       q, k, v, out, problem, b, h, kv_head, scale, i0, key_tile, workspace, logsumexp);
