@@ -116,6 +116,25 @@ Multiplied multiplied(const Heads<S>& q, const Heads<S>& k, float scale) {
   return m;
 }
 
+/// The long double reference of problem p over what the kernel multiplies (q', k' of
+/// `multiplied`, p's dim doubled and the scale inside q'; v as given), and a plain float
+/// implementation of the same, whose error the kernel's is held to.
+struct Reference {
+  attn_test::reference::Result<long double> exact;
+  attn_test::reference::Result<float> plain;
+};
+
+template <class S, class SV>
+Reference multiplied_reference(Problem p, const Heads<S>& q, const Heads<S>& k, const Heads<SV>& v,
+                               float scale) {
+  const Multiplied m = multiplied(q, k, scale);
+  p.dim *= 2;
+  p.scale = 1.0L;
+  const std::vector<long double> vr = attn_test::exact(v);
+  return {attn_test::reference::attention<long double>(p, m.q, m.k, vr),
+          attn_test::reference::attention<float>(p, m.q, m.k, vr)};
+}
+
 using Outputs = attn_test::OutAndLse;
 using attn_test::out_and_lse;
 
@@ -165,20 +184,13 @@ void check_against_reference(const char* name) {
         CHECK(got.lse.data == expected.lse.data);
         continue;
       }
-      // The reference multiplies q' and k' (2 D values, the scale inside q').
-      const Multiplied m = multiplied(q, k, static_cast<float>(*p.scale));
-      Problem doubled = p;
-      doubled.dim = 2 * z.dim;
-      doubled.scale = 1.0L;
-      const std::vector<long double> vr = attn_test::exact(v);
-      const auto exact = attn_test::reference::attention<long double>(doubled, m.q, m.k, vr);
-      const auto plain = attn_test::reference::attention<float>(doubled, m.q, m.k, vr);
-      const double plain_error = max_error(plain.out, exact.out);
-      const double error = max_error(got.out.data, exact.out);
+      const Reference r = multiplied_reference(p, q, k, v, static_cast<float>(*p.scale));
+      const double plain_error = max_error(r.plain.out, r.exact.out);
+      const double error = max_error(got.out.data, r.exact.out);
       INFO("error " << error << ", plain float error " << plain_error);
       CHECK(error <= attn_test::error_bound<float>(plain_error));
-      const double lse_error = max_error(got.lse.data, exact.lse);
-      const double plain_lse_error = max_error(plain.lse, exact.lse);
+      const double lse_error = max_error(got.lse.data, r.exact.lse);
+      const double plain_lse_error = max_error(r.plain.lse, r.exact.lse);
       INFO("lse error " << lse_error << ", plain float " << plain_lse_error);
       CHECK(lse_error <= attn_test::error_bound<float>(plain_lse_error));
     }
@@ -225,15 +237,11 @@ void check_blocks(const char* name) {
     return;
   }
   const float scale = 0.125f;  // 1 / sqrt(64), the default
-  const Multiplied m = multiplied(q, read_back<BK>(k), scale);
-  Problem doubled =
-      attn_test::sized_problem(1, q_heads, kv_heads, q_length, k_length, 2 * dim, value_dim);
-  doubled.scale = 1.0L;
-  const std::vector<long double> vr = attn_test::exact(read_back<BV>(v));
-  const auto exact = attn_test::reference::attention<long double>(doubled, m.q, m.k, vr);
-  const auto plain = attn_test::reference::attention<float>(doubled, m.q, m.k, vr);
-  const double plain_error = max_error(plain.out, exact.out);
-  const double error = max_error(got.data, exact.out);
+  const Reference r = multiplied_reference(
+      attn_test::sized_problem(1, q_heads, kv_heads, q_length, k_length, dim, value_dim), q,
+      read_back<BK>(k), read_back<BV>(v), scale);
+  const double plain_error = max_error(r.plain.out, r.exact.out);
+  const double error = max_error(got.data, r.exact.out);
   INFO("error " << error << ", plain float error " << plain_error);
   CHECK(error <= attn_test::error_bound<float>(plain_error));
   CHECK(got.data != fp32.data);
