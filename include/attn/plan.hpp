@@ -281,13 +281,14 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
   const Isa isa = plan_isa<T>();
   plan.isa = isa;
   const Index q_length = shape.q_length, k_length = shape.k_length;
-  // int8 products: decode only, on the levels that have them, for keys stored as blocks of
-  // int8 or nibbles whose D is whole blocks.
-  const bool int8_readable = compute == ComputePrecision::int8 && std::is_same_v<T, float> &&
-                             has_int8_products(isa) && shape.k_int8_readable && shape.dim % 32 == 0;
+  const Index group = shape.kv_heads > 0 ? shape.q_heads / shape.kv_heads : 1;
+  // int8 products (ComputePrecision::int8): float, on the levels that have them; decode reads
+  // them for keys stored as blocks of int8 or nibbles whose D is whole blocks.
+  const bool int8_allowed =
+      compute == ComputePrecision::int8 && std::is_same_v<T, float> && has_int8_products(isa);
+  const bool int8_readable = int8_allowed && shape.k_int8_readable && shape.dim % 32 == 0;
   if (requested == Algorithm::automatic) {
     const Index kv_bytes = shape.kv_element_bytes > 0 ? shape.kv_element_bytes : Index(sizeof(T));
-    const Index group = shape.kv_heads > 0 ? shape.q_heads / shape.kv_heads : 1;
     const double flash_bytes = static_cast<double>(group * k_length) *
                                static_cast<double>(shape.dim + shape.value_dim) *
                                static_cast<double>(kv_bytes);
@@ -352,11 +353,8 @@ KernelPlan plan_attention(const AttentionShape& shape, Algorithm requested, Inde
                        shape.bf16_readable_kv && !shape.kv_quantized;
   // int8 products in flash: keys (float, 16-bit, or blocks dequantized) quantized per row by
   // the kernel, once per kv head and thread, so only where enough query rows share them.
-  const Index rows_per_kv_head =
-      (shape.kv_heads > 0 ? shape.q_heads / shape.kv_heads : Index(1)) * q_length;
-  const bool int8_flash = compute == ComputePrecision::int8 && std::is_same_v<T, float> &&
-                          has_int8_products(isa) && plan.algorithm == Algorithm::flash &&
-                          rows_per_kv_head >= int8_flash_min_rows;
+  const bool int8_flash =
+      int8_allowed && plan.algorithm == Algorithm::flash && group * q_length >= int8_flash_min_rows;
   plan.int8_products = (int8_readable && plan.algorithm == Algorithm::decode) || int8_flash;
   detail::plan_threads(plan, detail::attention_flops(shape));
   return plan;
