@@ -6,7 +6,8 @@
 // maximum, so each row reports the peak up to and including that run) reaches 64 MiB.
 // Causal, so each run does half the work (~0.14 and ~0.55 TFLOP). Then the flash backward
 // (attn/attention_backward.hpp) at the lengths up to 32768 (~0.34 TFLOP there), under the same
-// 64 MiB rule: its extra memory does not grow with L either. Then the forward with q k^T on
+// 64 MiB rule: its extra memory does not grow with L either; again on bf16 products
+// (ComputePrecision::bf16) where the CPU has them. Then the forward with q k^T on
 // int8 products (ComputePrecision::int8) where the CPU has them: its one cost that grows with
 // L, the head's keys quantized, L (D + 8) bytes per thread (kernels/int8_tiles.hpp), is
 // printed beside the peak. ATTN_LONG_CONTEXT_LENGTH runs one other length instead (the
@@ -18,6 +19,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <random>
 #include <vector>
 
@@ -33,9 +35,8 @@ long max_rss_kib() {
   return usage.ru_maxrss;  // KiB on Linux
 }
 
-}  // namespace
-
-int main() {
+/// The runs above; 0 when every check passed.
+int run() {
   using attn::Index;
   const char* env = std::getenv("ATTN_LONG_CONTEXT_LENGTH");
   const std::vector<Index> lengths =
@@ -99,45 +100,55 @@ int main() {
       ok = false;
     }
   }
-  std::printf("\nflash backward (dq, dk, dv), the same problems up to L = %ld\n",
-              static_cast<long>(longest_backward));
-  std::printf("%8s %9s %9s %19s\n", "L", "time", "GFLOP/s", "peak extra memory");
-  for (const Index length : lengths) {
-    if (length > longest_backward)
-      continue;
-    const auto view = [&](std::vector<float>& x) {
-      return attn::bhld_view(x.data(), Index(1), Index(1), length, dim);
-    };
-    const auto cview = [&](const std::vector<float>& x) {
-      return attn::bhld_view(x.data(), Index(1), Index(1), length, dim);
-    };
-    const attn::RowsView<float> rows = attn::bhl_view(lse.data(), Index(1), Index(1), length);
-    attn::scaled_dot_product_attention_into<float>(cview(q), cview(k), cview(v), {view(out), rows},
-                                                   options);
-    const auto start = std::chrono::steady_clock::now();
-    attn::scaled_dot_product_attention_backward_into<float>(
-        cview(q), cview(k), cview(v), cview(out), rows, cview(dout), {view(dq), view(dk), view(dv)},
-        options);
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const double extra_mib = static_cast<double>(max_rss_kib() - before) / 1024.0;
-    bool finite = true;
-    for (std::size_t x = 0; x < static_cast<std::size_t>(length * dim); ++x)
-      finite = finite && std::isfinite(dq[x]) && std::isfinite(dk[x]) && std::isfinite(dv[x]);
-    const auto lf = static_cast<double>(length);
-    const double flops = 10.0 * lf * (lf + 1) / 2 * static_cast<double>(dim);  // five products
-    std::printf("%8ld %7.2f s %9.1f %15.2f MiB\n", static_cast<long>(length), seconds,
-                flops / seconds / 1e9, extra_mib);
-    if (!finite) {
-      std::printf("FAILED: non-finite gradients at L = %ld\n", static_cast<long>(length));
-      ok = false;
+  // The flash backward at each length up to longest_backward with `o`, under `title`.
+  const auto backward_rows_of = [&](const attn::AttentionOptions<float>& o, const char* title) {
+    std::printf("\n%s (dq, dk, dv), the same problems up to L = %ld\n", title,
+                static_cast<long>(longest_backward));
+    std::printf("%8s %9s %9s %19s\n", "L", "time", "GFLOP/s", "peak extra memory");
+    for (const Index length : lengths) {
+      if (length > longest_backward)
+        continue;
+      const auto view = [&](std::vector<float>& x) {
+        return attn::bhld_view(x.data(), Index(1), Index(1), length, dim);
+      };
+      const auto cview = [&](const std::vector<float>& x) {
+        return attn::bhld_view(x.data(), Index(1), Index(1), length, dim);
+      };
+      const attn::RowsView<float> rows = attn::bhl_view(lse.data(), Index(1), Index(1), length);
+      attn::scaled_dot_product_attention_into<float>(cview(q), cview(k), cview(v),
+                                                     {view(out), rows}, o);
+      const auto start = std::chrono::steady_clock::now();
+      attn::scaled_dot_product_attention_backward_into<float>(cview(q), cview(k), cview(v),
+                                                              cview(out), rows, cview(dout),
+                                                              {view(dq), view(dk), view(dv)}, o);
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const double extra_mib = static_cast<double>(max_rss_kib() - before) / 1024.0;
+      bool finite = true;
+      for (std::size_t x = 0; x < static_cast<std::size_t>(length * dim); ++x)
+        finite = finite && std::isfinite(dq[x]) && std::isfinite(dk[x]) && std::isfinite(dv[x]);
+      const auto lf = static_cast<double>(length);
+      const double flops = 10.0 * lf * (lf + 1) / 2 * static_cast<double>(dim);  // five products
+      std::printf("%8ld %7.2f s %9.1f %15.2f MiB\n", static_cast<long>(length), seconds,
+                  flops / seconds / 1e9, extra_mib);
+      if (!finite) {
+        std::printf("FAILED: non-finite gradients at L = %ld\n", static_cast<long>(length));
+        ok = false;
+      }
+      if (extra_mib >= 64.0) {
+        std::printf("FAILED: peak extra memory %.2f MiB >= 64 MiB in the backward at L = %ld\n",
+                    extra_mib, static_cast<long>(length));
+        ok = false;
+      }
     }
-    if (extra_mib >= 64.0) {
-      std::printf("FAILED: peak extra memory %.2f MiB >= 64 MiB in the backward at L = %ld\n",
-                  extra_mib, static_cast<long>(length));
-      ok = false;
-    }
-  }
+  };
+  backward_rows_of(options, "flash backward");
+  // The backward (and its forward) on bf16 products (ComputePrecision::bf16) where the CPU has
+  // them: their operands in pairs of bfloat16, no more than the float tiles
+  // (kernels/bf16_backward.hpp).
+  options.compute = attn::ComputePrecision::bf16;
+  if (attn::active_isa() == attn::Isa::avx512_bf16)
+    backward_rows_of(options, "flash backward on bf16 products");
   options.compute = attn::ComputePrecision::int8;
   const int threads = attn::detail::max_threads();
   if (attn::has_int8_products(attn::active_isa())) {
@@ -164,4 +175,15 @@ int main() {
         "OK: peak extra memory < 64 MiB at every length, forward and backward; naive "
         "would need the GiB above\n");
   return ok ? 0 : 1;
+}
+
+}  // namespace
+
+int main() {
+  try {
+    return run();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "long_context: %s\n", e.what());
+    return 1;
+  }
 }

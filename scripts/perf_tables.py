@@ -595,6 +595,31 @@ def table_bf16_compute():
     return lines
 
 
+def table_bf16_backward():
+    _, b = bench("bf16_backward.json")
+    fma, dot = rate(b["fma_peak/threads:1"]), rate(b["bf16_dot_peak/threads:1"])
+    lines = source("bf16_backward.json", probes=f"the FMA probe `fma_peak` {fma / 1e9:.0f} "
+                   f"GFLOP/s and the bf16 dot-product probe `bf16_dot_peak` {dot / 1e9:.0f} "
+                   "GFLOP/s (vdpbf16ps) of the same run, one thread; float q, k, v, dout; "
+                   "\"over fp32\": the median of `bf16_speedup`'s pairs (fp32 time over bf16 "
+                   "time, back to back)")
+    lines += ["| B * H = 8, D, L | fp32 backward | bf16 backward, not causal: over fp32 | "
+              "causal | bf16 forward, not causal: over fp32 | causal |",
+              "|---|---|---|---|---|---|"]
+    for dim in (64, 128):
+        for length in (1024, 2048, 4096, 8192):
+            key = f"D:{dim}/L:{length}"
+            fp32 = b.get(f"attention/pass:1/{key}/causal:0/threads:1")
+            if fp32 is None:
+                continue
+            ratio = [b[f"bf16_speedup/pass:{p}/{key}/causal:{c}/threads:1/min_time:2.000/"
+                       "manual_time"]["speedup"] for p in (1, 0) for c in (0, 1)]
+            lines.append(f"| {dim}, {length} | {gflops(rate(fp32))} GFLOP/s "
+                         f"({share(rate(fp32), fma)} of FMA) | " +
+                         " | ".join(f"{r:.2f}x" for r in ratio) + " |")
+    return lines
+
+
 def table_int8_flash():
     _, b = bench("int8_flash.json")
     fma, dot = rate(b["fma_peak/threads:1"]), b["int8_dot_peak/threads:1"]["OPS"]
@@ -845,6 +870,7 @@ TABLES = {
     "serving": table_serving,
     "serving-paged": table_serving_paged,
     "bf16-compute": table_bf16_compute,
+    "bf16-backward": table_bf16_backward,
     "int8-flash": table_int8_flash,
     "backward": table_backward,
     "mla": table_mla,

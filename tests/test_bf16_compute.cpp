@@ -22,6 +22,7 @@
 #include <attn/attention.hpp>
 #include <attn/cpu.hpp>
 
+#include "support/bf16.hpp"
 #include "support/heads.hpp"
 #include "support/masked_problem.hpp"
 #include "support/out_and_lse.hpp"
@@ -39,28 +40,7 @@ using attn_test::max_error;
 using attn_test::random_heads;
 using attn_test::reference::Problem;
 
-/// x rounded to the nearest bfloat16, ties to even (what vcvtneps2bf16 does to normal
-/// floats), written out on the bits: no code shared with the library.
-float round_to_bf16(float x) {
-  if (std::isnan(x))
-    return x;
-  std::uint32_t bits = 0;
-  std::memcpy(&bits, &x, sizeof(bits));
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  bits &= 0xffff0000u;
-  float rounded = 0;
-  std::memcpy(&rounded, &bits, sizeof(rounded));
-  return rounded;
-}
-
-/// The values of x rounded to bfloat16, as long double.
-template <class T>
-std::vector<long double> rounded(const Heads<T>& x) {
-  std::vector<long double> r(x.data.size());
-  for (std::size_t i = 0; i < r.size(); ++i)
-    r[i] = round_to_bf16(static_cast<float>(x.data[i]));
-  return r;
-}
+using attn_test::round_to_bf16;
 
 bool bf16_level() {
   return attn::active_isa() == attn::Isa::avx512_bf16;
@@ -111,7 +91,9 @@ void check_against_rounded_reference(attn::ComputePrecision compute, const char*
         CHECK(got.lse.data == expected.lse.data);
         continue;
       }
-      const std::vector<long double> qr = rounded(q), kr = rounded(k), vr = rounded(v);
+      const std::vector<long double> qr = attn_test::rounded_to_bf16(q),
+                                     kr = attn_test::rounded_to_bf16(k),
+                                     vr = attn_test::rounded_to_bf16(v);
       const auto exact = attn_test::reference::attention<long double>(p, qr, kr, vr);
       const auto to_bf16 = [](float x) { return round_to_bf16(x); };
       const auto plain =

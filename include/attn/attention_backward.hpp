@@ -140,8 +140,9 @@ void run_backward(const char* function, const BackwardViews<S>& views,
   using T = compute_scalar_t<S>;
   const HeadsView<const S>&q = views.q, &k = views.k;
   const T scale = resolve_scale(function, options.scale, q.dim);
-  const KernelPlan plan = plan_backward<T>(
-      {q.batch, q.heads, k.heads, q.length, k.length, q.dim, views.v.dim}, options, function);
+  AttentionShape shape{q.batch, q.heads, k.heads, q.length, k.length, q.dim, views.v.dim};
+  shape.bf16_readable_kv = bf16_readable_v<S>;  // (q and dout are stored as S too)
+  const KernelPlan plan = plan_backward<T>(shape, options, function);
   const AttentionProblem<T> problem(function, q.batch, q.heads, q.length, k.length, options,
                                     plan.isa);
   if (plan.algorithm == Algorithm::naive)

@@ -50,11 +50,12 @@
   X(NS::rope_rows<float, Eigen::half>)                         \
   X(NS::rope_rows<float, Eigen::bfloat16>)                     \
   X(attn::detail::gemm_of<NS::Gemm, float>)
-// Of the avx512_bf16 level (kernels/bf16_tiles.hpp): the flash tile on bf16 products, for
-// the storage it reads.
-#define ATTN_BF16_KERNEL_INSTANCES(X)                                \
-  X(attn::detail::avx512_bf16::flash_tile_bf16<float, float, float>) \
-  X(attn::detail::avx512_bf16::flash_tile_bf16<float, Eigen::bfloat16, Eigen::bfloat16>)
+// Of the avx512_bf16 level (kernels/bf16_tiles.hpp, kernels/bf16_backward.hpp): the flash
+// tile on bf16 products, for the storage it reads, and the backward's tile step.
+#define ATTN_BF16_KERNEL_INSTANCES(X)                                                    \
+  X(attn::detail::avx512_bf16::flash_tile_bf16<float, float, float>)                     \
+  X(attn::detail::avx512_bf16::flash_tile_bf16<float, Eigen::bfloat16, Eigen::bfloat16>) \
+  X(attn::detail::avx512_bf16::backward_key_tile_bf16<float>)
 // Of the avx512_vnni level (kernels/int8_decode.hpp, kernels/int8_tiles.hpp): decode's and
 // flash's scores on int8 products, for the keys they read.
 #define ATTN_INT8_KERNEL_INSTANCES(X)                                                      \

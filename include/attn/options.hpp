@@ -42,17 +42,20 @@ inline const char* algorithm_name(Algorithm algorithm) {
 /// "bf16 products" and "int8 products"). Each low precision is a permission, not a demand;
 /// KernelPlan::bf16_products and KernelPlan::int8_products say which a call got.
 ///   bf16: the flash kernel, on an instruction set with bf16 dot products (Isa::avx512_bf16),
-///     rounds q, k, v and the probabilities P to bfloat16 and accumulates in float; K or V
-///     stored as half or quantized blocks, other kernels and other CPUs compute in fp32.
+///     rounds q, k, v and the probabilities P to bfloat16 and accumulates in float; so does
+///     the flash backward, which also rounds dout and the score gradients dS (FlashAttention-2's
+///     rule); K or V stored as half or quantized blocks, other kernels and other CPUs compute
+///     in fp32.
 ///   int8: q k^T on int8 dot products with int32 sums, on an instruction set that has them
 ///     (Isa::avx512_vnni and above); P V in fp32. The decode kernel reads keys stored as q8_0
 ///     or q4_0 blocks as int8 and quantizes each query row per block of 32; the flash kernel
 ///     reads keys in any storage (blocks dequantized first), subtracts the mean key of the
 ///     head and quantizes each key and query row (SageAttention's smoothing, the mean's share
 ///     added back in float). Other storage, kernels and CPUs compute in fp32.
-/// fp32 is the default everywhere, bfloat16 inputs and quantized caches included: on the Xeon
-/// measured, bf16 dot products ran at half the FLOP rate of its fp32 FMAs, and int8 products
-/// change the result by the query's quantization.
+/// fp32 is the default everywhere, bfloat16 inputs and quantized caches included: bf16
+/// products change the result by bfloat16's rounding (and on the Xeon measured ran at half
+/// the FLOP rate of its fp32 FMAs; on AMD Zen 4, 1.6-2.0x fp32), int8 products by the
+/// query's quantization.
 enum class ComputePrecision : std::uint8_t {
   fp32,  ///< 16-bit inputs widened to float, products in float (the same bits on every CPU)
   bf16,  ///< bf16 products where they exist, for bfloat16 or float inputs (rounded as read)

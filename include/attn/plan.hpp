@@ -419,6 +419,10 @@ KernelPlan plan_backward(const AttentionShape& shape, const AttentionOptions<T>&
   plan.query_tile = options.query_tile > 0 ? options.query_tile : query_tile;
   plan.key_tile = options.key_tile > 0 ? options.key_tile : key_tile;
   plan.work_items = shape.batch * shape.kv_heads;
+  // bf16 products: the flash backward on the level that has them, for the storage they read.
+  plan.bf16_products = options.compute == ComputePrecision::bf16 && std::is_same_v<T, float> &&
+                       plan.isa == Isa::avx512_bf16 && plan.algorithm == Algorithm::flash &&
+                       shape.bf16_readable_kv;
   detail::plan_threads(plan, detail::attention_flops(shape));
   return plan;
 }

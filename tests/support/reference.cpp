@@ -110,7 +110,7 @@ template Result<float> attention<float>(const Problem&, const std::vector<long d
 template <class R>
 Gradients<R> gradients(const Problem& p, const std::vector<long double>& q,
                        const std::vector<long double>& k, const std::vector<long double>& v,
-                       const std::vector<long double>& dout) {
+                       const std::vector<long double>& dout, const GradientRounding<R>& rounding) {
   const Result<R> forward = attention<R>(p, q, k, v);  // weights after dropout: p f
   Problem undropped = p;
   undropped.dropout_p = 0;
@@ -158,13 +158,16 @@ Gradients<R> gradients(const Problem& p, const std::vector<long double>& q,
             const R t = std::tanh(scale * dot / static_cast<R>(*p.softcap));
             factor = 1 - t * t;
           }
-          const R dscore = scale * ds * factor;
+          R dscore = scale * ds * factor;
+          if (rounding.score_gradients)
+            dscore = rounding.score_gradients(dscore);
+          const R weight = rounding.weights ? rounding.weights(w) : w;
           for (Index d = 0; d < p.dim; ++d) {
             g.dq[at(row * p.dim + d)] += dscore * real(k[at(key * p.dim + d)]);
             g.dk[at(key * p.dim + d)] += dscore * real(q[at(row * p.dim + d)]);
           }
           for (Index e = 0; e < p.value_dim; ++e)
-            g.dv[at(key * p.value_dim + e)] += w * real(dout[at(row * p.value_dim + e)]);
+            g.dv[at(key * p.value_dim + e)] += weight * real(dout[at(row * p.value_dim + e)]);
         }
       }
     }
@@ -176,14 +179,17 @@ template Gradients<long double> gradients<long double>(const Problem&,
                                                        const std::vector<long double>&,
                                                        const std::vector<long double>&,
                                                        const std::vector<long double>&,
-                                                       const std::vector<long double>&);
+                                                       const std::vector<long double>&,
+                                                       const GradientRounding<long double>&);
 template Gradients<double> gradients<double>(const Problem&, const std::vector<long double>&,
                                              const std::vector<long double>&,
                                              const std::vector<long double>&,
-                                             const std::vector<long double>&);
+                                             const std::vector<long double>&,
+                                             const GradientRounding<double>&);
 template Gradients<float> gradients<float>(const Problem&, const std::vector<long double>&,
                                            const std::vector<long double>&,
                                            const std::vector<long double>&,
-                                           const std::vector<long double>&);
+                                           const std::vector<long double>&,
+                                           const GradientRounding<float>&);
 
 }  // namespace attn_test::reference

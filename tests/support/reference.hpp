@@ -179,6 +179,14 @@ extern template Result<float> attention<float>(const Problem&, const std::vector
 /// with g_ij = 1 - tanh^2(scale q_i . k_j / cap) under softcap (else 1); dbias (B, Hq, Lq, Lk)
 /// = ds (the caller sums it over a bias's broadcast dimensions); dsinks_h = -sum over b, i of
 /// exp(z_h - lse_i) delta_i. dk and dv sum over the query heads of a kv head.
+/// Rounding applied to the weights w = p f before dv = sum w dout, and to the score
+/// gradients scale ds g before dq and dk (a kernel whose backward products read them in a
+/// narrower type): identity when empty.
+template <class R>
+struct GradientRounding {
+  std::function<R(R)> weights, score_gradients;
+};
+
 template <class R>
 struct Gradients {
   std::vector<R> dq, dk, dv;  ///< q's, k's and v's shapes
@@ -188,23 +196,27 @@ struct Gradients {
 
 template <class R>
 Gradients<R> gradients(const Problem& p,
-                       const std::vector<long double>& q,      // (B, Hq, Lq, D)
-                       const std::vector<long double>& k,      // (B, Hkv, Lk, D)
-                       const std::vector<long double>& v,      // (B, Hkv, Lk, Dv)
-                       const std::vector<long double>& dout);  // (B, Hq, Lq, Dv)
+                       const std::vector<long double>& q,     // (B, Hq, Lq, D)
+                       const std::vector<long double>& k,     // (B, Hkv, Lk, D)
+                       const std::vector<long double>& v,     // (B, Hkv, Lk, Dv)
+                       const std::vector<long double>& dout,  // (B, Hq, Lq, Dv)
+                       const GradientRounding<R>& rounding = {});
 
 extern template Gradients<long double> gradients<long double>(const Problem&,
                                                               const std::vector<long double>&,
                                                               const std::vector<long double>&,
                                                               const std::vector<long double>&,
-                                                              const std::vector<long double>&);
+                                                              const std::vector<long double>&,
+                                                              const GradientRounding<long double>&);
 extern template Gradients<double> gradients<double>(const Problem&, const std::vector<long double>&,
                                                     const std::vector<long double>&,
                                                     const std::vector<long double>&,
-                                                    const std::vector<long double>&);
+                                                    const std::vector<long double>&,
+                                                    const GradientRounding<double>&);
 extern template Gradients<float> gradients<float>(const Problem&, const std::vector<long double>&,
                                                   const std::vector<long double>&,
                                                   const std::vector<long double>&,
-                                                  const std::vector<long double>&);
+                                                  const std::vector<long double>&,
+                                                  const GradientRounding<float>&);
 
 }  // namespace attn_test::reference

@@ -27,6 +27,42 @@ namespace attn::detail {
 /// for one register block fall into a few L1 sets and evict each other.
 inline constexpr Index backward_row_padding = 16;
 
+/// The bf16 backward's operands (kernels/bf16_backward.hpp), in 32-bit words of two bfloat16
+/// neighbours along each product's depth; rows backward_row_padding words longer than they
+/// need, as the float tiles'.
+struct Bf16BackwardWorkspace {
+  Index k_pairs_stride = 0, q_words_stride = 0, dout_words_stride = 0, ds_words_stride = 0,
+        q_pairs_stride = 0, dout_pairs_stride = 0;
+  // (D2, S), (Dv2, S), (W2, D), (max(D2, Dv2)); S = W + padding
+  Scratch<std::uint32_t> kt, vt, k_pairs, row;
+  // (Bq, D2), (Bq, Dv2), (Bq, W2)
+  Scratch<std::uint32_t> q_words, dout_words, ds_words;
+  // (Bq2, D), (Bq2, Dv), (Bq2, S), (Bq2, S)
+  Scratch<std::uint32_t> q_pairs, dout_pairs, p_pairs, ds_pairs;
+
+  void reserve(Index w, Index stride, Index bq, Index dim, Index value_dim) {
+    const Index dim2 = (dim + 1) / 2, value_dim2 = (value_dim + 1) / 2, w2 = (w + 1) / 2;
+    const Index bq2 = (bq + 1) / 2, padding = backward_row_padding;
+    k_pairs_stride = dim + padding;
+    q_words_stride = dim2 + padding;
+    dout_words_stride = value_dim2 + padding;
+    ds_words_stride = w2 + padding;
+    q_pairs_stride = dim + padding;
+    dout_pairs_stride = value_dim + padding;
+    kt.resize(dim2, stride);
+    vt.resize(value_dim2, stride);
+    k_pairs.resize(w2, k_pairs_stride);
+    row.resize(std::max(dim2, value_dim2));
+    q_words.resize(bq, q_words_stride);
+    dout_words.resize(bq, dout_words_stride);
+    ds_words.resize(bq, ds_words_stride);
+    q_pairs.resize(bq2, q_pairs_stride);
+    dout_pairs.resize(bq2, dout_pairs_stride);
+    p_pairs.resize(bq2, stride);
+    ds_pairs.resize(bq2, stride);
+  }
+};
+
 /// The per-thread scratch of the flash backward: key tiles of up to `width` (padded) keys,
 /// query tiles of up to `rows` rows; all rows `backward_row_padding` longer than they need.
 template <class T>
@@ -36,13 +72,13 @@ struct BackwardWorkspace {
   Scratch<T> s, dp, raw, drop;            // (Bq, W) each; raw with softcap, drop with dropout
   Scratch<T> shift, sums;                 // (Bq), (Bq)
   Scratch<T> k, q, dout;                  // (W, D), (Bq, D), (Bq, Dv): copies of the tiles' rows
+  Bf16BackwardWorkspace bf16;             // with bf16 products, instead of kt, vt, k, q, dout
 
-  void reserve(Index w, Index bq, Index dim, Index value_dim, bool softcap, bool dropout) {
+  void reserve(Index w, Index bq, Index dim, Index value_dim, bool softcap, bool dropout,
+               bool bf16_products = false) {
     width = w;
     rows = bq;
     stride = w + backward_row_padding;
-    kt.resize(dim, stride);
-    vt.resize(value_dim, stride);
     s.resize(bq, stride);
     dp.resize(bq, stride);
     if (softcap)
@@ -51,6 +87,12 @@ struct BackwardWorkspace {
       drop.resize(bq, stride);
     shift.resize(bq);
     sums.resize(bq);
+    if (bf16_products) {
+      bf16.reserve(w, stride, bq, dim, value_dim);
+      return;
+    }
+    kt.resize(dim, stride);
+    vt.resize(value_dim, stride);
     k.resize(w, dim + backward_row_padding);
     q.resize(bq, dim + backward_row_padding);
     dout.resize(bq, value_dim + backward_row_padding);

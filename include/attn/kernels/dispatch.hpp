@@ -3,8 +3,8 @@
 // Every instruction-set namespace (generic, avx2, avx512) ends with one Table
 // (simd/table.inl) of its entry points; avx512_vnni's Table is avx512's with decode's and
 // flash's scores on int8 dot products added (kernels/int8_decode.hpp, kernels/int8_tiles.hpp),
-// and avx512_bf16's is avx512_vnni's with the flash kernel on bf16 dot products added
-// (kernels/bf16_tiles.hpp):
+// and avx512_bf16's is avx512_vnni's with the flash kernel and the backward's tile step on bf16
+// dot products added (kernels/bf16_tiles.hpp, kernels/bf16_backward.hpp):
 //
 //   forward<T, SK, SV>  flash_tile                           (kernels/online_softmax.inl)
 //   decode<T, SK, SV>  decode_split, merge_splits            (kernels/online_softmax.inl)
@@ -29,6 +29,7 @@
 #include "attn/config.hpp"
 #include "attn/cpu.hpp"
 #include "attn/kernels/backward_tiles.hpp"
+#include "attn/kernels/bf16_backward.hpp"
 #include "attn/kernels/bf16_tiles.hpp"
 #include "attn/kernels/gemm.hpp"
 #include "attn/kernels/int8_decode.hpp"
@@ -74,6 +75,8 @@ struct BackwardKernels {
   Isa isa;
   Index lanes;  ///< key tiles are padded to whole vectors of this many
   decltype(&generic::backward_key_tile<T>) backward_key_tile;
+  /// The same on bf16 dot products (KernelPlan::bf16_products): null but on avx512_bf16.
+  decltype(&generic::backward_key_tile<T>) backward_key_tile_bf16 = nullptr;
 
   Index padded(Index n) const { return (n + lanes - 1) / lanes * lanes; }
 };
@@ -149,7 +152,17 @@ constexpr decltype(&avx512::flash_tile<T, SK, SV>) bf16_flash_tile() {
     return nullptr;
 }
 
-/// avx512_vnni's table, and the flash tile on bf16 products.
+/// The flash backward's tile step on bf16 products where it applies (float compute), else
+/// null.
+template <class T>
+constexpr decltype(&avx512::backward_key_tile<T>) bf16_backward_key_tile() {
+  if constexpr (std::is_same_v<T, float>)
+    return &backward_key_tile_bf16<T>;
+  else
+    return nullptr;
+}
+
+/// avx512_vnni's table, and the flash tile and the backward's tile step on bf16 products.
 struct Table : avx512_vnni::Table {
   static constexpr Isa level = isa;
   static const char* name() { return isa_name(level); }
@@ -162,6 +175,9 @@ struct Table : avx512_vnni::Table {
   static constexpr DecodeKernels<T, SK, SV> decode{
       level, avx512::widens_in_registers, &avx512::decode_split<T, SK, SV>,
       &avx512::merge_splits<T>, avx512_vnni::int8_decode_split<T, SK, SV>()};
+  template <class T>
+  static constexpr BackwardKernels<T> backward{level, lanes, &avx512::backward_key_tile<T>,
+                                               bf16_backward_key_tile<T>()};
 };
 
 }  // namespace attn::detail::avx512_bf16

@@ -68,6 +68,22 @@ void row_deltas(const HeadMatrix<const T>& dout,  // (rows, Dv)
     delta[r] = dout.row(r).dot(out.row(r));
 }
 
+/// row_deltas with dout read as bf16 products read it, rounded to bfloat16 (a no-op for
+/// bfloat16 storage), so that delta_i = sum_j p_ij dp_ij holds for the dp they compute: float
+/// dout under ComputePrecision::bf16 then gives the bits of its bfloat16 rounding. (Eigen's
+/// rounding keeps subnormal floats, which the products read as zero: a difference below
+/// 1.2e-38 in one term.)
+template <class T>
+void row_deltas_of_bf16(const HeadMatrix<const T>& dout,  // (rows, Dv)
+                        const HeadMatrix<const T>& out,   // (rows, Dv)
+                        T* delta) {                       // (rows)
+  const auto rounded = [](T x) {
+    return static_cast<T>(static_cast<float>(Eigen::bfloat16(static_cast<float>(x))));
+  };
+  for (Index r = 0; r < dout.rows(); ++r)
+    delta[r] = dout.row(r).unaryExpr(rounded).dot(out.row(r));
+}
+
 /// The flash backward over all (b, kv head) items of `plan`: dq, dk and dv written (every
 /// element: rows no query sees get zeros). The inputs are in the compute scalar T or
 /// 16-bit S (widened per head); the gradients are stored as S.
@@ -90,11 +106,14 @@ void run_flash_backward(const KernelPlan& plan, const BackwardViews<S>& x,
     NarrowedRows<T, S> dk_head, dv_head;
   };
   const BackwardKernels<T>& kernels = backward_kernels<T>(plan.isa);
+  const auto key_tile_step =
+      plan.bf16_products ? kernels.backward_key_tile_bf16 : kernels.backward_key_tile;
+  ATTN_ASSERT(key_tile_step != nullptr);
   const auto make_scratch = [&] {
     Scratch s;
     s.workspace.reserve(kernels.padded(std::max<Index>(1, std::min(key_tile, x.k.length))),
                         query_tile, x.q.dim, x.v.dim, softcap.has_value(),
-                        problem.dropout().active());
+                        problem.dropout().active(), plan.bf16_products);
     s.delta.resize(group, q_length);
     s.q_heads.resize(static_cast<std::size_t>(group));
     s.dout_heads.resize(static_cast<std::size_t>(group));
@@ -114,7 +133,11 @@ void run_flash_backward(const KernelPlan& plan, const BackwardViews<S>& x,
       const Index h = kv_head * group + g;
       const auto at = static_cast<std::size_t>(g);
       const HeadMatrix<const T> dout_head = s.dout_heads[at](plan.isa, x.dout, b, h);
-      row_deltas<T>(dout_head, s.out_head(plan.isa, x.out, b, h), s.delta.row(g).data());
+      const HeadMatrix<const T> out_head = s.out_head(plan.isa, x.out, b, h);
+      if (plan.bf16_products)
+        row_deltas_of_bf16<T>(dout_head, out_head, s.delta.row(g).data());
+      else
+        row_deltas<T>(dout_head, out_head, s.delta.row(g).data());
       HeadMatrix<T> dq_head = s.dq_heads[at].rows(x.dq.head(b, h), 0, x.q.rows(b));
       dq_head.setZero();
       heads.push_back({s.q_heads[at](plan.isa, x.q, b, h), dout_head, x.lse_of(b, h),
@@ -124,9 +147,9 @@ void run_flash_backward(const KernelPlan& plan, const BackwardViews<S>& x,
     // that a NaN row cannot reach them through 0 * NaN (naive does not score them either).
     const Index real_keys = std::min(keys, problem.mask().key_length(b));
     for (Index j0 = 0; j0 < real_keys; j0 += key_tile) {
-      kernels.backward_key_tile(k_head, v_head, dk_head, dv_head, heads.data(), group, problem,
-                                softcap, b, kv_head, scale, j0, std::min(key_tile, real_keys - j0),
-                                query_tile, s.workspace);
+      key_tile_step(k_head, v_head, dk_head, dv_head, heads.data(), group, problem, softcap, b,
+                    kv_head, scale, j0, std::min(key_tile, real_keys - j0), query_tile,
+                    s.workspace);
     }
     dk_head.bottomRows(keys - real_keys).setZero();
     dv_head.bottomRows(keys - real_keys).setZero();
