@@ -35,7 +35,7 @@ using ivec = __m256i;
 // Register blocks (16 ymm registers):
 //   flash scores    6 keys x 2 vectors of queries: 12 accumulators
 //   flash values    4 value dims x 3 vectors of queries: 12 accumulators
-//   decode scores   2 rows x 4 keys of dot products: 8 accumulators
+//   decode scores   2 rows x 4 keys of dot products: 8 accumulators (4 x 2 for quantized K)
 //   decode values   2 rows x 4 vectors of value dims: 8 accumulators
 //   gemm            6 rows x 2 vectors (16 columns): 12 accumulators
 inline constexpr Index score_rows = 6;
@@ -44,6 +44,16 @@ inline constexpr Index value_rows = 4;
 inline constexpr Index value_vectors = 3;
 inline constexpr Index decode_rows = 2;
 inline constexpr Index decode_vectors = 4;
+/// Query rows per pass of decode's scores over K. Quantized keys take 4 rows x 2 keys: each
+/// block is widened once for 4 rows (2 x 4 widened it twice for GQA 32/8, and spilled the
+/// accumulators beside four keys' scales). Callgrind, q4_0 at GQA 32/8: 21% fewer instructions.
+constexpr int decode_score_rows(bool quantized) {
+  return quantized ? 4 : static_cast<int>(decode_rows);
+}
+/// Keys per register block of decode's scores for `rows` rows.
+constexpr int decode_block_keys(int rows) {
+  return rows > 2 ? 2 : 4;
+}
 inline constexpr Index gemm_rows = 6;
 inline constexpr Index gemm_vectors = 2;
 /// Rows of a packed per GEMM block (kernels/gemm.hpp): mc x kc of a stays in L2.
@@ -102,17 +112,16 @@ inline vec load_int8_widened(const std::int8_t* src) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
-/// The low nibbles n of src[0:8) as float n - 8 (q4_0's elements).
-inline vec load_low_nibbles_centered(const std::uint8_t* src) {
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
-  const __m128i centered = _mm_sub_epi8(_mm_and_si128(bytes, _mm_set1_epi8(15)), _mm_set1_epi8(8));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(centered));
-}
-/// The high nibbles n of src[0:8) as float n - 8.
-inline vec load_high_nibbles_centered(const std::uint8_t* src) {
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
-  const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_sub_epi8(high, _mm_set1_epi8(8))));
+/// Vector i < 4 of a q4_0 block as float n - 8, from its 16 bytes of nibbles (elements 0..15
+/// in the low nibbles, 16..31 in the high ones). With i a constant (unrolled loops), a block's
+/// four vectors share one load, and each half its unpacking.
+inline vec load_nibbles_centered(const std::uint8_t* nibbles, int i) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles));
+  const __m128i n = i < 2 ? _mm_and_si128(bytes, _mm_set1_epi8(15))
+                          : _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
+  const __m128i centered = _mm_sub_epi8(n, _mm_set1_epi8(8));
+  const __m128i eight = i % 2 == 0 ? centered : _mm_unpackhi_epi64(centered, centered);
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
 }
 /// An fp16 value (a block's scale) as float, in one conversion instruction.
 inline float half_to_float(Eigen::half x) {

@@ -43,6 +43,13 @@ inline constexpr Index value_rows = 8;
 inline constexpr Index value_vectors = 3;
 inline constexpr Index decode_rows = 4;
 inline constexpr Index decode_vectors = 4;
+/// Query rows per pass of decode's scores over K (every format), and keys per register block.
+constexpr int decode_score_rows(bool /*quantized*/) {
+  return static_cast<int>(decode_rows);
+}
+constexpr int decode_block_keys(int /*rows*/) {
+  return 4;
+}
 inline constexpr Index gemm_rows = 14;
 inline constexpr Index gemm_vectors = 2;
 /// Rows of a packed per GEMM block (kernels/gemm.hpp): mc x kc of a stays in L2.
@@ -129,6 +136,11 @@ inline vec load_high_nibbles_centered(const std::uint8_t* src) {
   const __m512i nibbles =
       _mm512_maskz_srli_epi32(all_lanes, _mm512_maskz_cvtepu8_epi32(all_lanes, bytes), 4);
   return _mm512_maskz_permutexvar_ps(all_lanes, nibbles, centered);
+}
+/// Vector i < 2 of a q4_0 block as float n - 8, from its 16 bytes of nibbles: elements 0..15
+/// (low nibbles) or 16..31 (high nibbles).
+inline vec load_nibbles_centered(const std::uint8_t* nibbles, int i) {
+  return i == 0 ? load_low_nibbles_centered(nibbles) : load_high_nibbles_centered(nibbles);
 }
 /// An fp16 value (a block's scale) as float, in one conversion instruction.
 inline float half_to_float(Eigen::half x) {

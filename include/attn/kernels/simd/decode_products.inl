@@ -21,7 +21,7 @@
 //
 // Order of the loops: with many query rows (G * Lq = 16 for MLA, 576-value keys) a block of
 // keys is 147 KB of float, beyond L1. The scores take the keys in chunks of decode_chunk_keys
-// and pass every group of decode_rows query rows over a chunk before the next one, and the
+// and pass every group of decode_score_rows query rows over a chunk before the next one, and the
 // weighted sum takes V in slabs of decode_vectors vectors per row and passes every group over
 // a slab: each chunk or slab is read from L2 once and from L1 by the other groups (MLA decode,
 // 16 rows of 576 floats, on an AVX-512 Xeon: 1.3x faster than the row groups outermost, the
@@ -93,10 +93,7 @@ struct BlockRowReader {
     return load_int8_widened(b->values + i * lanes);
   }
   static vec load_integers(const BlockQ4_0* b, int i) {
-    constexpr int half = static_cast<int>(quantized_block_values / 2);
-    const int first = i * static_cast<int>(lanes);  // elements [first, first + lanes)
-    return first < half ? load_low_nibbles_centered(b->nibbles + first)
-                        : load_high_nibbles_centered(b->nibbles + (first - half));
+    return load_nibbles_centered(b->nibbles, i);
   }
   /// d q: exact in float (q has at most 8 significant bits, d 11).
   static vec load(const Piece& p, int i) { return mul(load_integers(p.block, i), set1(p.scale)); }
@@ -141,6 +138,10 @@ RowReader<S> reader_of(const S* rows, Index stride, const S* ahead) {
     return {rows, stride, ahead};
 }
 
+/// Query rows per pass of the scores over rows of S (simd/avx2.hpp, simd/avx512.hpp).
+template <class S>
+inline constexpr int decode_score_rows_v = decode_score_rows(is_quantized_v<S>);
+
 /// s[r, j] = q[r, 0:dim) . k[j, 0:dim) for r < Rb, j < Kb, dim a multiple of lanes: Rb x Kb
 /// dot products in registers. (Nothing else in the loop: a call or a branch to a tail path
 /// makes GCC keep the accumulators on the stack.)
@@ -148,7 +149,7 @@ template <int Rb, int Kb, bool Prefetch, class S>
 inline void dot_block(const float* q, Index q_stride,  // (Rb, dim)
                       const RowReader<S>& k,           // (Kb, dim)
                       Index dim, float* s, Index s_stride) {
-  static_assert(Kb == 1 || Kb == 4, "dot_block: 1 or 4 keys");
+  static_assert(Kb == 1 || Kb == 2 || Kb == 4, "dot_block: 1, 2 or 4 keys");
   vec acc[static_cast<std::size_t>(Rb)][static_cast<std::size_t>(Kb)];
 // Unrolled by pragmas: GCC's -O2 keeps a loop over R rolled and acc in memory otherwise.
 #pragma GCC unroll 4
@@ -181,21 +182,37 @@ inline void dot_block(const float* q, Index q_stride,  // (Rb, dim)
       }
     }
   }
+  if constexpr (Kb == 2) {  // two rows' two keys per sum_each4: each sum in its usual order
 #pragma GCC unroll 4
-  for (int r = 0; r < Rb; ++r) {
-    if constexpr (Kb == 4)
-      sum_each4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s + r * s_stride);
-    else
-      s[r * s_stride] = reduce_add(acc[r][0]);
+    for (int r = 0; r < Rb; r += 2) {
+      alignas(16) float sums[4];
+      sum_each4(acc[r][0], acc[r][1], r + 1 < Rb ? acc[r + 1][0] : zero(),
+                r + 1 < Rb ? acc[r + 1][1] : zero(), sums);
+      s[r * s_stride] = sums[0];
+      s[r * s_stride + 1] = sums[1];
+      if (r + 1 < Rb) {
+        s[(r + 1) * s_stride] = sums[2];
+        s[(r + 1) * s_stride + 1] = sums[3];
+      }
+    }
+  } else {
+#pragma GCC unroll 4
+    for (int r = 0; r < Rb; ++r) {
+      if constexpr (Kb == 4)
+        sum_each4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s + r * s_stride);
+      else
+        s[r * s_stride] = reduce_add(acc[r][0]);
+    }
   }
 }
 
 template <int Rb, bool Prefetch, class S>
 inline void dot_rows(const float* q, Index q_stride, const RowReader<S>& k, Index keys, Index dim,
                      float* s, Index s_stride) {
+  constexpr int Kb = decode_block_keys(Rb);
   Index j = 0;
-  for (; j + 4 <= keys; j += 4)
-    dot_block<Rb, 4, Prefetch>(q, q_stride, k.at(j, 0), dim, s + j, s_stride);
+  for (; j + Kb <= keys; j += Kb)
+    dot_block<Rb, Kb, Prefetch>(q, q_stride, k.at(j, 0), dim, s + j, s_stride);
   for (; j < keys; ++j)
     dot_block<Rb, 1, Prefetch>(q, q_stride, k.at(j, 0), dim, s + j, s_stride);
 }
@@ -237,8 +254,8 @@ inline void dot_tails(const float* q, Index q_stride, Index rows, const S* k, In
   });
 }
 
-/// dot_rows for the last `rows` (< decode_rows) rows, in one pass over k.
-template <bool Prefetch, class S, int Rb = static_cast<int>(decode_rows) - 1>
+/// dot_rows for the last `rows` (< decode_score_rows_v<S>) rows, in one pass over k.
+template <bool Prefetch, class S, int Rb = decode_score_rows_v<S> - 1>
 inline void dot_rest(Index rows, const float* q, Index q_stride, const RowReader<S>& k, Index keys,
                      Index dim, float* s, Index s_stride) {
   if constexpr (Rb > 0) {
@@ -252,12 +269,13 @@ inline void dot_rest(Index rows, const float* q, Index q_stride, const RowReader
 /// query rows passes over them.
 inline constexpr Index decode_chunk_keys = 8;
 
-/// s[r, j] = q[r] . k[j] for all `rows` rows and one chunk of keys, decode_rows rows at a time;
-/// the first pass prefetches (the next block's rows of the chunk), the others read the chunk again.
+/// s[r, j] = q[r] . k[j] for all `rows` rows and one chunk of keys, decode_score_rows_v<S> rows
+/// at a time; the first pass prefetches (the next block's rows of the chunk), the others read
+/// the chunk again.
 template <class S>
 inline void dot_chunk(const float* q, Index q_stride, Index rows, const RowReader<S>& k, Index keys,
                       Index dim, float* s, Index s_stride) {
-  constexpr int group = static_cast<int>(decode_rows);
+  constexpr int group = decode_score_rows_v<S>;
   if (rows < group)
     return dot_rest<true>(rows, q, q_stride, k, keys, dim, s, s_stride);
   dot_rows<group, true>(q, q_stride, k, keys, dim, s, s_stride);
