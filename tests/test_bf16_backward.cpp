@@ -31,15 +31,12 @@
 namespace {
 
 using attn::Index;
+using attn_test::bf16_level;
 using attn_test::Heads;
 using attn_test::max_error;
 using attn_test::random_heads;
 using attn_test::round_to_bf16;
 using attn_test::reference::Problem;
-
-bool bf16_level() {
-  return attn::active_isa() == attn::Isa::avx512_bf16;
-}
 
 /// x with every value rounded to bfloat16 (kept as float).
 Heads<float> bf16_values(Heads<float> x) {

@@ -40,11 +40,8 @@ using attn_test::max_error;
 using attn_test::random_heads;
 using attn_test::reference::Problem;
 
+using attn_test::bf16_level;
 using attn_test::round_to_bf16;
-
-bool bf16_level() {
-  return attn::active_isa() == attn::Isa::avx512_bf16;
-}
 
 using Outputs = attn_test::OutAndLse;
 using attn_test::out_and_lse;

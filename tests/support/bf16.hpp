@@ -1,6 +1,6 @@
-// Test support: rounding to bfloat16 written out on the bits, for the references of the bf16
-// products tests (test_bf16_compute.cpp, test_bf16_backward.cpp); no code shared with the
-// library.
+// Test support for the bf16 products tests (test_bf16_compute.cpp, test_bf16_backward.cpp):
+// rounding to bfloat16 written out on the bits for their references (no code shared with the
+// library), and whether the level under test has bf16 products.
 #pragma once
 
 #include <cmath>
@@ -8,9 +8,17 @@
 #include <cstring>
 #include <vector>
 
+#include <attn/cpu.hpp>
+
 #include "support/heads.hpp"
 
 namespace attn_test {
+
+/// Whether the instruction set under test (--isa) runs bf16 dot products: otherwise
+/// ComputePrecision::bf16 must give the fp32 bits.
+inline bool bf16_level() {
+  return attn::active_isa() == attn::Isa::avx512_bf16;
+}
 
 /// x rounded to the nearest bfloat16, ties to even (what vcvtneps2bf16 does to normal
 /// floats).
