@@ -142,6 +142,27 @@ inline vec load_high_nibbles_centered(const std::uint8_t* src) {
 inline vec load_nibbles_centered(const std::uint8_t* nibbles, int i) {
   return i == 0 ? load_low_nibbles_centered(nibbles) : load_high_nibbles_centered(nibbles);
 }
+/// out[b, j] = the fp16 scale of block b of row j as float, for rows j < count of quantized
+/// blocks `stride` blocks apart and b < blocks (out (blocks, out_stride); 0 from count up to
+/// a whole vector): one gather per vector of rows, of the 4 bytes at each block's start (its
+/// scale and 2 bytes of its values), instead of 16 scalar conversions.
+template <class Block>
+inline void block_scales(const Block* rows, Index stride, Index count, Index blocks, float* out,
+                         Index out_stride) {
+  const __m512i offsets = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(stride * static_cast<Index>(sizeof(Block)))));
+  for (Index b = 0; b < blocks; ++b) {
+    for (Index j = 0; j < count; j += lanes) {
+      const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(),
+                                                        first_lanes(std::min(lanes, count - j)),
+                                                        offsets, rows + j * stride + b, 1);
+      _mm512_storeu_ps(
+          out + b * out_stride + j,
+          _mm512_maskz_cvtph_ps(all_lanes, _mm512_maskz_cvtepi32_epi16(all_lanes, words)));
+    }
+  }
+}
 /// An fp16 value (a block's scale) as float, in one conversion instruction.
 inline float half_to_float(Eigen::half x) {
   return _cvtsh_ss(x.x);

@@ -384,14 +384,8 @@ inline void weighted_sum_scaled_block(const float* p, Index p_stride,  // (Rb, k
   }
   for (Index j0 = 0; j0 < keys; j0 += chunk) {
     const Index n = std::min(chunk, keys - j0);
-    for (Index j = 0; j < n; ++j) {
-      for (int b = 0; b < blocks; ++b)
-        scales[b][j] = half_to_float(v.block(j0 + j, b * quantized_block_values)->scale);
-    }
-    for (Index j = n; j < (n + lanes - 1) / lanes * lanes; ++j) {
-      for (int b = 0; b < blocks; ++b)
-        scales[b][j] = 0.0f;  // the last vector's lanes past the keys: weights 0, never read
-    }
+    // (the last vector's lanes past the keys hold 0: weights 0, never read)
+    block_scales(v.block(j0, 0), v.stride, n, blocks, scales[0], chunk);
     for (int b = 0; b < blocks; ++b) {
       for (int r = 0; r < Rb; ++r) {
         const float* p_row = p + r * p_stride + j0;
