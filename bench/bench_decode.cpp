@@ -20,6 +20,10 @@
 //                          32/8, one and two threads
 //   decode_formats_int8    the same for q8_0 and q4_0 with decode's scores on int8 products
 //                          (ComputePrecision::int8), where the CPU has them (avx512_vnni)
+//   decode_formats_cold, decode_formats_int8_cold   the same at Lk = 32768 with the caches
+//                          evicted before each call (common.hpp's evict_caches, not timed):
+//                          K and V from memory even where the last-level cache could hold
+//                          them between calls, as it cannot in a model's decode step
 //   fma_peak               the FMA probe (common.hpp), for prefill_formats
 //   prefill_formats        Lq = 1 .. 256 new queries against a KVCache of 4096 tokens of each
 //                          format through attend_into, decode against flash: the quantized
@@ -200,10 +204,11 @@ struct StoredKV {
 
 /// One decode call of Lq = 1 against Lk keys with K and V stored as `format` (arg 6: 0 float,
 /// 1 half, 2 q8_0, 3 q4_0), the decode kernel called directly for each, its scores on int8
-/// products if `int8` (where the CPU has them: ComputePrecision::int8); validated against
+/// products if `int8` (where the CPU has them: ComputePrecision::int8), the caches evicted
+/// before each call if `cold` (the eviction not timed); validated against
 /// naive on the values the format reads back (within 1e-4; 5e-3 with int8 products, which
 /// quantize the query). "KV_bytes" counts the stored bytes.
-void decode_format(benchmark::State& state, bool int8) {
+void decode_format(benchmark::State& state, bool int8, bool cold) {
   const Index k_length = state.range(0), q_heads = state.range(1), kv_heads = state.range(2),
               dim = state.range(3);
   const int threads = static_cast<int>(state.range(4));
@@ -266,6 +271,11 @@ void decode_format(benchmark::State& state, bool int8) {
     return;
   }
   for (auto _ : state) {
+    if (cold) {
+      state.PauseTiming();
+      attn_bench::evict_caches();
+      state.ResumeTiming();
+    }
     run();
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
@@ -280,10 +290,16 @@ void decode_format(benchmark::State& state, bool int8) {
 }
 
 void BM_decode_format(benchmark::State& state) {
-  decode_format(state, false);
+  decode_format(state, false, false);
 }
 void BM_decode_format_int8(benchmark::State& state) {
-  decode_format(state, true);
+  decode_format(state, true, false);
+}
+void BM_decode_format_cold(benchmark::State& state) {
+  decode_format(state, false, true);
+}
+void BM_decode_format_int8_cold(benchmark::State& state) {
+  decode_format(state, true, true);
 }
 
 /// Lq new queries (the cache's last Lq tokens) against a KVCache<S> of Lk tokens through the
@@ -421,6 +437,23 @@ void register_all() {
         ->UseRealTime()
         ->Unit(benchmark::kMicrosecond);
   }
+  // Both again at Lk = 32768 from memory: the caches evicted before each call. Each eviction
+  // (untimed) reads 512 MiB: 0.2 s of timed calls, and one call in the smoke runs.
+  const auto cold = [tiny](benchmark::internal::Benchmark* b,
+                           const std::vector<std::int64_t>& formats) {
+    b->ArgNames({"Lk", "Hq", "Hkv", "D", "threads", "format"})
+        ->ArgsProduct({{tiny ? 512 : 32768}, {8, 32}, {8}, {128}, {1, 2}, formats})
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+    if (tiny)
+      b->Iterations(1);
+    else
+      b->MinTime(0.2);
+  };
+  cold(benchmark::RegisterBenchmark("decode_formats_cold", BM_decode_format_cold), {0, 1, 2, 3});
+  if (attn::isa_supported(attn::Isa::avx512_vnni))
+    cold(benchmark::RegisterBenchmark("decode_formats_int8_cold", BM_decode_format_int8_cold),
+         {2, 3});
   attn_bench::register_fma_peak();  // the arithmetic ceiling prefill_formats is quoted against
   // Chunks of prompt against a cache of every format: decode against flash, by Lq.
   benchmark::RegisterBenchmark("prefill_formats", BM_prefill_format)

@@ -4,6 +4,9 @@
 //   set_threads(n)     OpenMP and Eigen thread counts, together
 //   fill_normal(v, s)  N(0, 1) floats from a fixed seed
 //   max_abs_diff(a, b) worst |a - b| of two equally long float sequences
+//   evict_caches()     reads a 512 MiB buffer (4 MiB under smoke()), so that what a call
+//                      reads next comes from memory, not from a last-level cache that may hold
+//                      tens of MiB (the Xeon's 480 MiB L3 kept a 38 MB q4_0 cache warm)
 //   linear_attention_quadratic  linear attention's O(L^2) reference form, in double
 //   register_fma_peak  the FMA peak probe, "fma_peak/threads:{1,2}", of the widest
 //                      instruction set the CPU has, whatever the binary's flags: every binary
@@ -94,6 +97,15 @@ inline void BM_bandwidth(benchmark::State& state) {
                                                benchmark::Counter::kIsIterationInvariantRate,
                                                benchmark::Counter::kIs1024);
   set_threads(1);
+}
+
+/// Reads a 512 MiB buffer (4 MiB under smoke()), once per call: the caches then hold it, not
+/// what the timed call reads next. Allocated and filled on the first call.
+inline void evict_caches() {
+  static std::vector<float> buffer(smoke() ? (std::size_t{1} << 20) : (std::size_t{1} << 27), 1.0f);
+  const Eigen::Map<const Eigen::ArrayXf> all(buffer.data(),
+                                             static_cast<Eigen::Index>(buffer.size()));
+  benchmark::DoNotOptimize(all.sum());
 }
 
 inline float max_abs_diff(const float* a, const float* b, std::size_t n) {

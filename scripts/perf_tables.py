@@ -377,6 +377,48 @@ def table_decode_formats():
     return lines
 
 
+def table_decode_formats_cold():
+    """Lk = 32768 with the caches warm (each call after the last) and cold (evicted before each
+    call), as shares of the probe of the same run, and q8_0 over half in both."""
+    _, b = bench("decode_formats_cold.json")
+    probes = {t: b[f"bandwidth/threads:{t}"]["bytes"] for t in (1, 2)
+              if f"bandwidth/threads:{t}" in b}
+    rates = {}  # (Hq, threads, format, cold): KV bytes/s
+    for name, e in b.items():
+        m = re.match(r"decode_formats(_int8)?(_cold)?/Lk:32768/Hq:(\d+)/Hkv:8/D:128/threads:(\d)/"
+                     r"format:(\d)(/min_time:[\d.]+)?$", name)
+        if m:
+            fmt = FORMATS[int(m.group(5))] + (" int8" if m.group(1) else "")
+            rates[(int(m.group(3)), int(m.group(4)), fmt, bool(m.group(2)))] = e["KV_bytes"]
+    formats = [f for f in FORMATS + ["q8_0 int8", "q4_0 int8"]
+               if any(k[2] == f for k in rates)]
+    best_q8 = "q8_0 int8" if "q8_0 int8" in formats else "q8_0"
+    stored = {"half": 2.0, "q8_0": 34 / 32, "q8_0 int8": 34 / 32}
+    lines = source("decode_formats_cold.json",
+                   probes="K/V bytes a call must read per second as shares of the streaming probe "
+                   "`bandwidth` of the same run ("
+                   + ", ".join(f"{p / 2**30:.1f} GiB/s on {'one thread' if t == 1 else 'two'}"
+                               for t, p in probes.items())
+                   + "), warm (each call right after the last: what the "
+                   "last-level cache kept) / cold (the caches evicted before each call, "
+                   "`decode_formats_cold`); \"int8\": the scores on int8 products")
+    lines += ["| Lk = 32768, D = 128, Lq = 1: warm / cold | threads | " + " | ".join(formats)
+              + f" | {best_q8} over half |", "|---" * (len(formats) + 3) + "|"]
+    for hq in (8, 32):
+        for t in (1, 2):
+            if t not in probes or (hq, t, "half", False) not in rates:
+                continue
+            heads = "Hq = Hkv = 8" if hq == 8 else "GQA 32/8"
+            cells = [f"{share(rates[(hq, t, f, False)], probes[t])} / "
+                     f"{share(rates[(hq, t, f, True)], probes[t])}" for f in formats]
+            # the time of a call with a half cache over one with a q8_0 cache
+            speedups = [(stored["half"] / rates[(hq, t, "half", cold)])
+                        / (stored[best_q8] / rates[(hq, t, best_q8, cold)]) for cold in (False, True)]
+            lines.append(f"| {heads} | {t} | " + " | ".join(cells)
+                         + f" | {speedups[0]:.2f}x / {speedups[1]:.2f}x |")
+    return lines
+
+
 def table_prefill_formats():
     _, b = bench("prefill_formats.json")
     probe = rate(b["fma_peak/threads:1"])
@@ -858,6 +900,7 @@ TABLES = {
     "multihead": table_multihead,
     "decode-isa": table_decode_isa,
     "decode-formats": table_decode_formats,
+    "decode-formats-cold": table_decode_formats_cold,
     "prefill-formats": table_prefill_formats,
     "prefill-formats-int8": table_prefill_formats_int8,
     "tiny-lm-kv-formats": table_tiny_lm_kv_formats,
