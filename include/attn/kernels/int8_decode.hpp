@@ -129,7 +129,7 @@ inline void pack_panel(const BlockQ8_0* k, Index stride, Index keys, Index block
     // z[j] = rows j | j + 4 and z[4 + j] = rows 8 + j | 12 + j (256 bits each), so that the
     // 4 x 4 transposes below and one shuffle of 128-bit lanes leave the keys in order.
     // (The pragmas unroll what -O3 would: GCC's -O2 keeps these loops rolled and z and u in
-    // memory, which took q4_0 decode on int8 products to 1.06-1.2x the time.)
+    // memory, docs/performance.md, "Tuning choices".)
     __m512i z[8];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {

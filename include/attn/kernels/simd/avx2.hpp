@@ -123,6 +123,10 @@ inline vec load_nibbles_centered(const std::uint8_t* nibbles, int i) {
   const __m128i eight = i % 2 == 0 ? centered : _mm_unpackhi_epi64(centered, centered);
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
 }
+/// An fp16 value (a block's scale) as float, in one conversion instruction.
+inline float half_to_float(Eigen::half x) {
+  return _cvtsh_ss(x.x);
+}
 /// out[b, j] = the fp16 scale of block b of row j as float, for rows j < count of quantized
 /// blocks `stride` blocks apart and b < blocks (out (blocks, out_stride); 0 from count up to
 /// a whole vector): one conversion each (a gather is not measured on an AVX2 CPU).
@@ -131,16 +135,12 @@ inline void block_scales(const Block* rows, Index stride, Index count, Index blo
                          Index out_stride) {
   for (Index j = 0; j < count; ++j) {
     for (Index b = 0; b < blocks; ++b)
-      out[b * out_stride + j] = _cvtsh_ss(rows[j * stride + b].scale.x);
+      out[b * out_stride + j] = half_to_float(rows[j * stride + b].scale);
   }
   for (Index j = count; j < (count + lanes - 1) / lanes * lanes; ++j) {
     for (Index b = 0; b < blocks; ++b)
       out[b * out_stride + j] = 0.0f;
   }
-}
-/// An fp16 value (a block's scale) as float, in one conversion instruction.
-inline float half_to_float(Eigen::half x) {
-  return _cvtsh_ss(x.x);
 }
 
 inline void sum_each4(vec a, vec b, vec c, vec d, float* out) {

@@ -142,6 +142,10 @@ inline vec load_high_nibbles_centered(const std::uint8_t* src) {
 inline vec load_nibbles_centered(const std::uint8_t* nibbles, int i) {
   return i == 0 ? load_low_nibbles_centered(nibbles) : load_high_nibbles_centered(nibbles);
 }
+/// An fp16 value (a block's scale) as float, in one conversion instruction.
+inline float half_to_float(Eigen::half x) {
+  return _cvtsh_ss(x.x);
+}
 /// out[b, j] = the fp16 scale of block b of row j as float, for rows j < count of quantized
 /// blocks `stride` blocks apart and b < blocks (out (blocks, out_stride); 0 from count up to
 /// a whole vector): one gather per vector of rows, of the 4 bytes at each block's start (its
@@ -162,10 +166,6 @@ inline void block_scales(const Block* rows, Index stride, Index count, Index blo
           _mm512_maskz_cvtph_ps(all_lanes, _mm512_maskz_cvtepi32_epi16(all_lanes, words)));
     }
   }
-}
-/// An fp16 value (a block's scale) as float, in one conversion instruction.
-inline float half_to_float(Eigen::half x) {
-  return _cvtsh_ss(x.x);
 }
 
 inline void sum_each4(vec a, vec b, vec c, vec d, float* out) {
