@@ -18,7 +18,6 @@
 // ATTN_BENCH_SMOKE=1 (ctest) shrinks every size.
 #include <benchmark/benchmark.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -92,25 +91,6 @@ void BM_tiny_lm_decode(benchmark::State& state) {
   state.counters["weights_bytes"] = static_cast<double>(model().parameters()) * sizeof(float);
 }
 
-void BM_bandwidth(benchmark::State& state) {
-  set_threads(1);
-  const std::size_t n = smoke() ? (std::size_t{1} << 20) : (std::size_t{1} << 27);  // 512 MiB
-  std::vector<float> data(n);
-  attn_bench::fill_normal(data, 3u);
-  for (auto _ : state) {
-    double total = 0;
-    for (std::size_t block = 0; block < n; block += 4096) {
-      const Eigen::Map<const Eigen::ArrayXf> part(
-          data.data() + block, static_cast<Index>(std::min<std::size_t>(4096, n - block)));
-      total += static_cast<double>(part.sum());
-    }
-    benchmark::DoNotOptimize(total);
-  }
-  state.counters["bytes"] = benchmark::Counter(static_cast<double>(n * sizeof(float)),
-                                               benchmark::Counter::kIsIterationInvariantRate,
-                                               benchmark::Counter::kIs1024);
-}
-
 void register_all() {
   const std::vector<std::int64_t> prompts =
       smoke() ? std::vector<std::int64_t>{18} : std::vector<std::int64_t>{18, 128, 512};
@@ -126,7 +106,9 @@ void register_all() {
         ->Arg(context)
         ->Unit(benchmark::kMicrosecond);
   }
-  benchmark::RegisterBenchmark("bandwidth/threads:1", BM_bandwidth)
+  benchmark::RegisterBenchmark("bandwidth", attn_bench::BM_bandwidth)
+      ->ArgNames({"threads"})
+      ->Arg(1)
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
 }

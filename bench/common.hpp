@@ -74,10 +74,16 @@ inline void fill_normal(std::vector<float>& values, unsigned seed) {
 
 /// The streaming probe (arg: threads): a 512 MiB float array summed, one pass an iteration
 /// (4 MiB under ATTN_BENCH_SMOKE); its "bytes" rate is the ceiling of memory-bound calls.
+/// Floats of the streaming probe's array and of evict_caches' buffer: 512 MiB (4 MiB under
+/// smoke()).
+inline std::size_t streaming_floats() {
+  return smoke() ? (std::size_t{1} << 20) : (std::size_t{1} << 27);
+}
+
 inline void BM_bandwidth(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
   set_threads(threads);
-  const std::size_t n = smoke() ? (std::size_t{1} << 20) : (std::size_t{1} << 27);  // 512 MiB
+  const std::size_t n = streaming_floats();
   std::vector<float> data(n);
   fill_normal(data, 3u);
   const auto length = static_cast<std::int64_t>(n);
@@ -102,7 +108,7 @@ inline void BM_bandwidth(benchmark::State& state) {
 /// Reads a 512 MiB buffer (4 MiB under smoke()), once per call: the caches then hold it, not
 /// what the timed call reads next. Allocated and filled on the first call.
 inline void evict_caches() {
-  static std::vector<float> buffer(smoke() ? (std::size_t{1} << 20) : (std::size_t{1} << 27), 1.0f);
+  static std::vector<float> buffer(streaming_floats(), 1.0f);
   const Eigen::Map<const Eigen::ArrayXf> all(buffer.data(),
                                              static_cast<Eigen::Index>(buffer.size()));
   benchmark::DoNotOptimize(all.sum());

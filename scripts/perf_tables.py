@@ -311,6 +311,14 @@ def table_decode_isa():
 
 
 FORMATS = ["float", "half", "q8_0", "q4_0"]
+# stored bytes per value of each format (the int8 columns read the same blocks)
+STORED = {"float": 4.0, "half": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32,
+          "q8_0 int8": 34 / 32, "q4_0 int8": 18 / 32}
+
+
+def q8_over_half(half_rate, q8_rate, q8_format):
+    """The time of a call with a half cache over one with a q8_0 cache, from K/V bytes/s."""
+    return (STORED["half"] / half_rate) / (STORED[q8_format] / q8_rate)
 GGML_TYPES = {"half": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 
@@ -355,8 +363,6 @@ def table_decode_formats():
     lines += ["| D = 128, Lq = 1 | threads | " + " | ".join(formats)
               + f" | {best_q8} over half | vs ggml: half | q8_0 | q4_0 |",
               "|---" * (len(formats) + 6) + "|"]
-    stored = {"float": 4.0, "half": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32,
-              "q8_0 int8": 34 / 32, "q4_0 int8": 18 / 32}
     for lk in sorted({k[0] for k in attn}):
         for hq in (8, 32):
             for t in (1, 2):
@@ -369,9 +375,8 @@ def table_decode_formats():
                 for f, ours in zip(("half", "q8_0", "q4_0"), ["half"] + quantized):
                     versus.append(f"{attn[(lk, hq, t, ours)] / ggml[(lk, hq, t, f)]:.1f}x"
                                   if (lk, hq, t, f) in ggml and (lk, hq, t, ours) in attn else "")
-                # the time of a call with a half cache over one with a q8_0 cache
-                speedup = (stored["half"] / attn[(lk, hq, t, "half")]) / (
-                    stored[best_q8] / attn[(lk, hq, t, best_q8)])
+                speedup = q8_over_half(attn[(lk, hq, t, "half")], attn[(lk, hq, t, best_q8)],
+                                       best_q8)
                 lines.append(f"| Lk = {lk}, {heads} | {t} | " + " | ".join(cells)
                              + f" | {speedup:.2f}x | " + " | ".join(versus) + " |")
     return lines
@@ -393,7 +398,6 @@ def table_decode_formats_cold():
     formats = [f for f in FORMATS + ["q8_0 int8", "q4_0 int8"]
                if any(k[2] == f for k in rates)]
     best_q8 = "q8_0 int8" if "q8_0 int8" in formats else "q8_0"
-    stored = {"half": 2.0, "q8_0": 34 / 32, "q8_0 int8": 34 / 32}
     lines = source("decode_formats_cold.json",
                    probes="K/V bytes a call must read per second as shares of the streaming probe "
                    "`bandwidth` of the same run ("
@@ -411,9 +415,8 @@ def table_decode_formats_cold():
             heads = "Hq = Hkv = 8" if hq == 8 else "GQA 32/8"
             cells = [f"{share(rates[(hq, t, f, False)], probes[t])} / "
                      f"{share(rates[(hq, t, f, True)], probes[t])}" for f in formats]
-            # the time of a call with a half cache over one with a q8_0 cache
-            speedups = [(stored["half"] / rates[(hq, t, "half", cold)])
-                        / (stored[best_q8] / rates[(hq, t, best_q8, cold)]) for cold in (False, True)]
+            speedups = [q8_over_half(rates[(hq, t, "half", cold)], rates[(hq, t, best_q8, cold)],
+                                     best_q8) for cold in (False, True)]
             lines.append(f"| {heads} | {t} | " + " | ".join(cells)
                          + f" | {speedups[0]:.2f}x / {speedups[1]:.2f}x |")
     return lines
