@@ -5,7 +5,8 @@
 // (support/reference.hpp's GradientRounding), for every mask kind, dropout, tiles around the edges,
 // odd D, Dv != D and grouped-query heads; float inputs rounded as they are read; bfloat16 storage
 // the float result rounded once; the same bits for any thread count; NaN propagates; accuracy
-// against the unrounded reference on typical inputs. On every other level the same calls give
+// against the unrounded reference on typical inputs; Dv = 0 (zero dq and dk, NaN still
+// propagates). On every other level the same calls give
 // the fp32 bits.
 #include <algorithm>
 #include <cmath>
@@ -311,4 +312,55 @@ TEST_CASE("bf16 backward: accuracy against the unrounded reference on typical in
       }
     }
   }
+}
+
+TEST_CASE("bf16 backward: Dv = 0 gives zero dq and dk, and NaN still propagates", "[isa][bf16]") {
+  // With no values the loss cannot depend on the scores: dp and the rows' deltas are empty
+  // sums, so ds = p (0 - 0) = 0 wherever p is finite, and dq = dk = 0 exactly (the closed
+  // form) on every level. A NaN query makes its row's p NaN, and NaN 0 = NaN reaches that
+  // row's dq and the dk of the keys it sees, as in the fp32 backward.
+  std::mt19937 rng(3406);
+  const Problem p = attn_test::masked_problem(1, 4, 2, 40, 70, 32, 0, 1, rng);
+  attn_test::AttnOptions<float> o(p);
+  o.options.algorithm = attn::Algorithm::flash;
+  o.options.query_tile = 16;
+  o.options.key_tile = 32;
+  attn::AttentionOptions<float> bf16 = o.options;
+  bf16.compute = attn::ComputePrecision::bf16;
+  attn::AttentionShape shape{1, 4, 2, 40, 70, 32, 0};
+  shape.bf16_readable_kv = true;  // float storage, as the public call sets it
+  CHECK(attn::plan_backward<float>(shape, bf16).bf16_products == bf16_level());
+  Inputs x = make_inputs(p, o.options, rng, true);
+  const Grads got = backward<float>(x, bf16);
+  const auto zeros = [](const std::vector<float>& g) {
+    return std::all_of(g.begin(), g.end(), [](float e) { return e == 0.0f; });
+  };
+  CHECK(got.dq.size() == static_cast<std::size_t>(4 * 40 * 32));
+  CHECK(got.dk.size() == static_cast<std::size_t>(2 * 70 * 32));
+  CHECK(zeros(got.dq));
+  CHECK(zeros(got.dk));
+  CHECK(got.dv.empty());
+
+  x.q.data[static_cast<std::size_t>((1 * 40 + 9) * 32 + 3)] = std::nanf("");  // head 1, row 9
+  std::vector<float> lse(x.lse.size());
+  Heads<float> out(p.batch, p.q_heads, p.q_length, p.value_dim);
+  attn::scaled_dot_product_attention_into<float>(
+      x.q.cview(), x.k.cview(), x.v.cview(),
+      attn::AttentionOutputViews{out.view(),
+                                 attn::bhl_view(lse.data(), p.batch, p.q_heads, p.q_length)},
+      o.options);
+  x.lse = lse;
+  const Grads nan = backward<float>(x, bf16);
+  const Grads fp32 = backward<float>(x, o.options);
+  const auto nan_pattern = [](const std::vector<float>& g) {
+    std::vector<bool> pattern;
+    for (const float e : g)
+      pattern.push_back(std::isnan(e));
+    return pattern;
+  };
+  CHECK(std::isnan(nan.dq[static_cast<std::size_t>((1 * 40 + 9) * 32)]));
+  CHECK(std::isnan(nan.dk[0]));  // key 0 of kv head 0: seen by row 9 of head 1
+  CHECK(nan.dq[0] == 0.0f);      // head 0, row 0: no NaN among the keys it sees
+  CHECK(nan_pattern(nan.dq) == nan_pattern(fp32.dq));
+  CHECK(nan_pattern(nan.dk) == nan_pattern(fp32.dk));
 }
