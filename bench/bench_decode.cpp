@@ -24,6 +24,15 @@
 //                          evicted before each call (common.hpp's evict_caches, not timed):
 //                          K and V from memory even where the last-level cache could hold
 //                          them between calls, as it cannot in a model's decode step
+//   stream_compute         a probe of how far arithmetic overlaps a memory stream on this CPU:
+//                          two byte arrays read in alternating blocks of 8704 bytes (the K and
+//                          V blocks of 64 keys of a q8_0 cache, D = 128; 71 MiB in all, as at
+//                          Lk = 32768, Hkv = 8), each 64-byte line widened and given `fmas`
+//                          FMAs (0, 8, 16, 32), prefetched one block ahead into L1 as decode's
+//                          quantized readers do; from memory (cold:1, the caches evicted
+//                          before each call) and from L2 (cold:0, 2 x 256 KiB read over and
+//                          over: the arithmetic alone). Full overlap would make a cold call
+//                          take the larger of the stream's time and the arithmetic's.
 //   fma_peak               the FMA probe (common.hpp), for prefill_formats
 //   prefill_formats        Lq = 1 .. 256 new queries against a KVCache of 4096 tokens of each
 //                          format through attend_into, decode against flash: the quantized
@@ -53,6 +62,8 @@
 
 #include <attn/attention.hpp>
 #include <attn/cpu.hpp>
+#include <attn/kernels/simd/avx2.hpp>
+#include <attn/kernels/simd/avx512.hpp>
 #include <attn/kv_cache.hpp>
 #include <attn/quantized.hpp>
 
@@ -149,6 +160,86 @@ void BM_decode(benchmark::State& state) {
       benchmark::Counter(4.0 * static_cast<double>(q_heads * q_length * k_length * dim),
                          benchmark::Counter::kIsIterationInvariantRate);
   set_threads(1);
+}
+
+// --- The stream and compute probe ------------------------------------------------------
+// stream_compute.inl, compiled for AVX-512 and AVX2 by target regions as the FMA probe is
+// (common.hpp).
+constexpr std::size_t stream_block_bytes = 8704;  // 64 rows of 136 bytes (q8_0, D = 128)
+
+#if ATTN_X86_DISPATCH
+ATTN_BEGIN_TARGET_AVX512
+namespace avx512_stream {
+namespace simd = attn::detail::avx512;
+#include "stream_compute.inl"  // NOLINT(readability-duplicate-include): once per instruction set
+}  // namespace avx512_stream
+ATTN_END_TARGET
+
+ATTN_BEGIN_TARGET_AVX2
+namespace avx2_stream {
+namespace simd = attn::detail::avx2;
+#include "stream_compute.inl"  // NOLINT(readability-duplicate-include): once per instruction set
+}  // namespace avx2_stream
+ATTN_END_TARGET
+#endif
+
+/// stream_compute<Fmas> of the widest vector set this CPU has (0 without AVX2).
+template <int Fmas>
+float stream_compute(const std::int8_t* a, const std::int8_t* b, std::size_t bytes) {
+#if ATTN_X86_DISPATCH
+  if (attn::isa_supported(attn::Isa::avx512))
+    return avx512_stream::stream_compute<Fmas>(a, b, bytes);
+  if (attn::isa_supported(attn::Isa::avx2))
+    return avx2_stream::stream_compute<Fmas>(a, b, bytes);
+#endif
+  (void)a, (void)b, (void)bytes;
+  return 0.0f;
+}
+
+/// stream_compute with fmas FMAs per line (arg 0: 0, 8, 16 or 32), from memory (arg 1 = 1,
+/// 2 x 36 MiB, the caches evicted before each call) or from L2 (2 x 256 KiB). "bytes" counts
+/// both arrays; "ns_per_line" the time per 64-byte line.
+void BM_stream_compute(benchmark::State& state) {
+  const int fmas = static_cast<int>(state.range(0));
+  const bool cold = state.range(1) != 0;
+  if (!attn::isa_supported(attn::Isa::avx2)) {
+    state.SkipWithError("no AVX2 on this CPU");
+    return;
+  }
+  const std::size_t bytes = smoke() ? (std::size_t{1} << 18)
+                            : cold  ? (std::size_t{36} << 20)
+                                    : (std::size_t{1} << 18);
+  // One block past the end: the prefetches of the last block stay inside the allocation.
+  std::vector<std::int8_t> data(2 * (bytes + stream_block_bytes));
+  for (std::size_t n = 0; n < data.size(); ++n)
+    data[n] = static_cast<std::int8_t>(n * 7 % 251);
+  const std::int8_t* a = data.data();
+  const std::int8_t* b = a + bytes + stream_block_bytes;
+  const auto call = [&] {
+    switch (fmas) {
+      case 0:
+        return stream_compute<0>(a, b, bytes);
+      case 8:
+        return stream_compute<8>(a, b, bytes);
+      case 16:
+        return stream_compute<16>(a, b, bytes);
+      default:
+        return stream_compute<32>(a, b, bytes);
+    }
+  };
+  for (auto _ : state) {
+    if (cold) {
+      state.PauseTiming();
+      attn_bench::evict_caches();
+      state.ResumeTiming();
+    }
+    benchmark::DoNotOptimize(call());
+  }
+  state.counters["bytes"] = benchmark::Counter(static_cast<double>(2 * bytes),
+                                               benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["ns_per_line"] = benchmark::Counter(
+      static_cast<double>(2 * bytes) / 64.0 * 1e-9,
+      benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
 }
 
 enum class Format : std::int64_t { f32 = 0, f16 = 1, q8_0 = 2, q4_0 = 3 };
@@ -439,21 +530,26 @@ void register_all() {
   }
   // Both again at Lk = 32768 from memory: the caches evicted before each call. Each eviction
   // (untimed) reads 512 MiB: 0.2 s of timed calls, and one call in the smoke runs.
-  const auto cold = [tiny](benchmark::internal::Benchmark* b,
-                           const std::vector<std::int64_t>& formats) {
-    b->ArgNames({"Lk", "Hq", "Hkv", "D", "threads", "format"})
-        ->ArgsProduct({{tiny ? 512 : 32768}, {8, 32}, {8}, {128}, {1, 2}, formats})
-        ->UseRealTime()
-        ->Unit(benchmark::kMicrosecond);
+  const auto evicting = [tiny](benchmark::internal::Benchmark* b) {
+    b->UseRealTime()->Unit(benchmark::kMicrosecond);
     if (tiny)
       b->Iterations(1);
     else
       b->MinTime(0.2);
   };
+  const auto cold = [&](benchmark::internal::Benchmark* b,
+                        const std::vector<std::int64_t>& formats) {
+    evicting(b->ArgNames({"Lk", "Hq", "Hkv", "D", "threads", "format"})
+                 ->ArgsProduct({{tiny ? 512 : 32768}, {8, 32}, {8}, {128}, {1, 2}, formats}));
+  };
   cold(benchmark::RegisterBenchmark("decode_formats_cold", BM_decode_format_cold), {0, 1, 2, 3});
   if (attn::isa_supported(attn::Isa::avx512_vnni))
     cold(benchmark::RegisterBenchmark("decode_formats_int8_cold", BM_decode_format_int8_cold),
          {2, 3});
+  // How far arithmetic overlaps the memory stream: cold against warm at 0 .. 32 FMAs per line.
+  evicting(benchmark::RegisterBenchmark("stream_compute", BM_stream_compute)
+               ->ArgNames({"fmas", "cold"})
+               ->ArgsProduct({{0, 8, 16, 32}, {0, 1}}));
   attn_bench::register_fma_peak();  // the arithmetic ceiling prefill_formats is quoted against
   // Chunks of prompt against a cache of every format: decode against flash, by Lq.
   benchmark::RegisterBenchmark("prefill_formats", BM_prefill_format)

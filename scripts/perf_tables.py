@@ -382,19 +382,25 @@ def table_decode_formats():
     return lines
 
 
-def table_decode_formats_cold():
-    """Lk = 32768 with the caches warm (each call after the last) and cold (evicted before each
-    call), as shares of the probe of the same run, and q8_0 over half in both."""
-    _, b = bench("decode_formats_cold.json")
-    probes = {t: b[f"bandwidth/threads:{t}"]["bytes"] for t in (1, 2)
-              if f"bandwidth/threads:{t}" in b}
-    rates = {}  # (Hq, threads, format, cold): KV bytes/s
+def decode_cold_rates(b):
+    """{(Hq, threads, format, cold): KV bytes/s} of decode_formats(_int8)(_cold) at Lk = 32768."""
+    rates = {}
     for name, e in b.items():
         m = re.match(r"decode_formats(_int8)?(_cold)?/Lk:32768/Hq:(\d+)/Hkv:8/D:128/threads:(\d)/"
                      r"format:(\d)(/min_time:[\d.]+)?$", name)
         if m:
             fmt = FORMATS[int(m.group(5))] + (" int8" if m.group(1) else "")
             rates[(int(m.group(3)), int(m.group(4)), fmt, bool(m.group(2)))] = e["KV_bytes"]
+    return rates
+
+
+def table_decode_formats_cold():
+    """Lk = 32768 with the caches warm (each call after the last) and cold (evicted before each
+    call), as shares of the probe of the same run, and q8_0 over half in both."""
+    _, b = bench("decode_formats_cold.json")
+    probes = {t: b[f"bandwidth/threads:{t}"]["bytes"] for t in (1, 2)
+              if f"bandwidth/threads:{t}" in b}
+    rates = decode_cold_rates(b)
     formats = [f for f in FORMATS + ["q8_0 int8", "q4_0 int8"]
                if any(k[2] == f for k in rates)]
     best_q8 = "q8_0 int8" if "q8_0 int8" in formats else "q8_0"
@@ -419,6 +425,43 @@ def table_decode_formats_cold():
                                      best_q8) for cold in (False, True)]
             lines.append(f"| {heads} | {t} | " + " | ".join(cells)
                          + f" | {speedups[0]:.2f}x / {speedups[1]:.2f}x |")
+    return lines
+
+
+def table_stream_compute():
+    """How far arithmetic overlaps the memory stream: the probe stream_compute (a fixed number of
+    FMAs per 64-byte line) and decode (one thread), each as time per stored line from cache and
+    from memory, against the larger of its arithmetic and the stream alone."""
+    _, b = bench("decode_formats_cold.json")
+    probe = {}  # (fmas, cold): ns per line
+    for name, e in b.items():
+        m = re.match(r"stream_compute/fmas:(\d+)/cold:(\d)(/min_time:[\d.]+)?$", name)
+        if m:
+            probe[(int(m.group(1)), m.group(2) == "1")] = e["ns_per_line"]
+    if (0, True) not in probe:
+        raise TableError("decode_formats_cold.json has no stream_compute/fmas:0/cold:1")
+    stream = probe[(0, True)]
+    lines = source("decode_formats_cold.json",
+                   probes=f"nanoseconds per 64-byte line of what a call reads (decode: of the "
+                   f"stored K and V), one thread; \"arithmetic\": from L2 for the probe, warm "
+                   f"(each call right after the last) for decode; \"stream\": the probe with no "
+                   f"FMAs from memory, {stream:.2f} ns per line")
+    lines += ["| one thread | arithmetic | from memory | larger of arithmetic and stream "
+              "| from memory over the larger |", "|---|---|---|---|---|"]
+
+    def row(label, hot, cold):
+        larger = max(hot, stream)
+        lines.append(f"| {label} | {hot:.2f} | {cold:.2f} | {larger:.2f} | {cold / larger:.2f}x |")
+
+    for fmas in sorted({k[0] for k in probe if k[0] > 0}):
+        row(f"probe, {fmas} FMAs per line", probe[(fmas, False)], probe[(fmas, True)])
+    rates = decode_cold_rates(b)
+    for hq in (8, 32):
+        heads = "Hq = Hkv = 8" if hq == 8 else "GQA 32/8"
+        for fmt in ("q8_0", "q8_0 int8", "q4_0 int8"):
+            if (hq, 1, fmt, False) in rates and (hq, 1, fmt, True) in rates:
+                row(f"decode, {fmt}, {heads}", 64e9 / rates[(hq, 1, fmt, False)],
+                    64e9 / rates[(hq, 1, fmt, True)])
     return lines
 
 
@@ -904,6 +947,7 @@ TABLES = {
     "decode-isa": table_decode_isa,
     "decode-formats": table_decode_formats,
     "decode-formats-cold": table_decode_formats_cold,
+    "stream-compute": table_stream_compute,
     "prefill-formats": table_prefill_formats,
     "prefill-formats-int8": table_prefill_formats_int8,
     "tiny-lm-kv-formats": table_tiny_lm_kv_formats,
