@@ -335,14 +335,22 @@ def decode_formats_data():
         if m:
             fmt = FORMATS[int(m.group(5))] + (" int8" if m.group(1) else "")
             attn[(int(m.group(2)), int(m.group(3)), int(m.group(4)), fmt)] = e["KV_bytes"]
-    _, g = bench("ggml_decode.json")
-    ggml = {}
-    for name, e in g.items():
-        m = re.match(r"ggml_flash_attn_ext/type:(\w+)/Lk:(\d+)/Hq:(\d+)/Hkv:8/threads:(\d)$", name)
+    return probes, attn, ggml_rates("ggml_decode.json")
+
+
+def ggml_rates(name):
+    """{(Lk, Hq, threads, format): stored K/V bytes/s} of bench/peers/ggml's JSON `name`, from
+    the median times (fa_decode's printed rate has two decimals)."""
+    _, g = bench(name)
+    rates = {}
+    for run, e in g.items():
+        m = re.match(r"ggml_flash_attn_ext/type:(\w+)/Lk:(\d+)/Hq:(\d+)/Hkv:8/threads:(\d)$", run)
         if m:
             fmt = {v: k for k, v in GGML_TYPES.items()}[m.group(1)]
-            ggml[(int(m.group(2)), int(m.group(3)), int(m.group(4)), fmt)] = e["KV_bytes"]
-    return probes, attn, ggml
+            length = int(m.group(2))
+            kv_bytes = 2 * 8 * length * 128 * STORED[fmt]
+            rates[(length, int(m.group(3)), int(m.group(4)), fmt)] = kv_bytes / (e["real_time"] * 1e-6)
+    return rates
 
 
 def table_decode_formats():
@@ -404,16 +412,20 @@ def table_decode_formats_cold():
     formats = [f for f in FORMATS + ["q8_0 int8", "q4_0 int8"]
                if any(k[2] == f for k in rates)]
     best_q8 = "q8_0 int8" if "q8_0 int8" in formats else "q8_0"
-    lines = source("decode_formats_cold.json",
+    ggml = {k[1:]: r for k, r in ggml_rates("ggml_decode_cold.json").items() if k[0] == 32768}
+    lines = source("decode_formats_cold.json", "ggml_decode_cold.json",
                    probes="K/V bytes a call must read per second as shares of the streaming probe "
                    "`bandwidth` of the same run ("
                    + ", ".join(f"{p / 2**30:.1f} GiB/s on {'one thread' if t == 1 else 'two'}"
                                for t, p in probes.items())
                    + "), warm (each call right after the last: what the "
                    "last-level cache kept) / cold (the caches evicted before each call, "
-                   "`decode_formats_cold`); \"int8\": the scores on int8 products")
+                   "`decode_formats_cold`); \"int8\": the scores on int8 products; against "
+                   "ggml cold, the speed ratio (its time over attn's, both with the caches evicted "
+                   "before each call) for half, q8_0 int8 and q4_0 int8 against F16, Q8_0 and Q4_0")
     lines += ["| Lk = 32768, D = 128, Lq = 1: warm / cold | threads | " + " | ".join(formats)
-              + f" | {best_q8} over half |", "|---" * (len(formats) + 3) + "|"]
+              + f" | {best_q8} over half | vs ggml cold: half | q8_0 | q4_0 |",
+              "|---" * (len(formats) + 6) + "|"]
     for hq in (8, 32):
         for t in (1, 2):
             if t not in probes or (hq, t, "half", False) not in rates:
@@ -423,8 +435,13 @@ def table_decode_formats_cold():
                      f"{share(rates[(hq, t, f, True)], probes[t])}" for f in formats]
             speedups = [q8_over_half(rates[(hq, t, "half", cold)], rates[(hq, t, best_q8, cold)],
                                      best_q8) for cold in (False, True)]
+            versus = [f"{rates[(hq, t, ours, True)] / ggml[(hq, t, f)]:.1f}x"
+                      if (hq, t, f) in ggml and (hq, t, ours, True) in rates else ""
+                      for f, ours in (("half", "half"), ("q8_0", "q8_0 int8"),
+                                      ("q4_0", "q4_0 int8"))]
             lines.append(f"| {heads} | {t} | " + " | ".join(cells)
-                         + f" | {speedups[0]:.2f}x / {speedups[1]:.2f}x |")
+                         + f" | {speedups[0]:.2f}x / {speedups[1]:.2f}x | " + " | ".join(versus)
+                         + " |")
     return lines
 
 

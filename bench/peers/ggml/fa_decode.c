@@ -4,8 +4,9 @@
 // usage: fa_decode [-t N] [-T TYPE] [-c]
 //   -t N     only run configurations with N threads (default: 1 and 2)
 //   -T TYPE  only run K/V type TYPE (F16, Q8_0, Q4_0)
-//   -c       "cold": evict caches (write a 256 MiB buffer) before every timed call
-//            (eviction time is not included). Default is hot/steady-state repetition.
+//   -c       "cold": evict caches (write a 512 MiB buffer, as bench_decode's evict_caches
+//            reads one: more than a 480 MiB L3) before every timed call (eviction time is
+//            not included). Default is hot/steady-state repetition.
 //   -m MS    minimum total timed time per configuration in ms (default 1000)
 //   -n N     minimum number of timed repetitions (default 20)
 
@@ -152,7 +153,7 @@ int main(int argc, char ** argv) {
     const int threads[] = { 1, 2 };
     const float scale = 1.0f / sqrtf((float)D);
 
-    const size_t evict_n = (size_t)256 << 20;
+    const size_t evict_n = (size_t)512 << 20;
     uint8_t * evict_buf = NULL;
     if (cold) { evict_buf = calloc(evict_n, 1); }
 
