@@ -52,6 +52,16 @@ struct Inputs {
   std::vector<float> lse;
 };
 
+/// x.out and x.lse: the forward of x.q, x.k, x.v (fp32 products).
+void run_forward(Inputs& x, const attn::AttentionOptions<float>& options) {
+  attn::AttentionOptions<float> forward = options;
+  forward.compute = attn::ComputePrecision::fp32;
+  attn::scaled_dot_product_attention_into<float>(
+      x.q.cview(), x.k.cview(), x.v.cview(),
+      attn::AttentionOutputViews{x.out.view(), attn::bhl_view(x.lse.data(), x.q.b, x.q.h, x.q.l)},
+      forward);
+}
+
 Inputs make_inputs(const Problem& p, const attn::AttentionOptions<float>& options,
                    std::mt19937& rng, bool representable) {
   const auto draw = [&](Index h, Index l, Index d) {
@@ -64,13 +74,7 @@ Inputs make_inputs(const Problem& p, const attn::AttentionOptions<float>& option
            draw(p.q_heads, p.q_length, p.value_dim),
            Heads<float>(p.batch, p.q_heads, p.q_length, p.value_dim),
            std::vector<float>(static_cast<std::size_t>(p.batch * p.q_heads * p.q_length))};
-  attn::AttentionOptions<float> forward = options;
-  forward.compute = attn::ComputePrecision::fp32;
-  attn::scaled_dot_product_attention_into<float>(
-      x.q.cview(), x.k.cview(), x.v.cview(),
-      attn::AttentionOutputViews{x.out.view(),
-                                 attn::bhl_view(x.lse.data(), p.batch, p.q_heads, p.q_length)},
-      forward);
+  run_forward(x, options);
   return x;
 }
 
@@ -342,14 +346,7 @@ TEST_CASE("bf16 backward: Dv = 0 gives zero dq and dk, and NaN still propagates"
   CHECK(got.dv.empty());
 
   x.q.data[static_cast<std::size_t>((1 * 40 + 9) * 32 + 3)] = std::nanf("");  // head 1, row 9
-  std::vector<float> lse(x.lse.size());
-  Heads<float> out(p.batch, p.q_heads, p.q_length, p.value_dim);
-  attn::scaled_dot_product_attention_into<float>(
-      x.q.cview(), x.k.cview(), x.v.cview(),
-      attn::AttentionOutputViews{out.view(),
-                                 attn::bhl_view(lse.data(), p.batch, p.q_heads, p.q_length)},
-      o.options);
-  x.lse = lse;
+  run_forward(x, o.options);                                                  // the NaN row's lse
   const Grads nan = backward<float>(x, bf16);
   const Grads fp32 = backward<float>(x, o.options);
   const auto nan_pattern = [](const std::vector<float>& g) {
