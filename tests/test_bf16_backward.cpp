@@ -350,9 +350,9 @@ TEST_CASE("bf16 backward: Dv = 0 gives zero dq and dk, and NaN still propagates"
   const Grads nan = backward<float>(x, bf16);
   const Grads fp32 = backward<float>(x, o.options);
   const auto nan_pattern = [](const std::vector<float>& g) {
-    std::vector<bool> pattern;
-    for (const float e : g)
-      pattern.push_back(std::isnan(e));
+    std::vector<bool> pattern(g.size());
+    for (std::size_t n = 0; n < g.size(); ++n)
+      pattern[n] = std::isnan(g[n]);
     return pattern;
   };
   CHECK(std::isnan(nan.dq[static_cast<std::size_t>((1 * 40 + 9) * 32)]));
