@@ -328,14 +328,21 @@ def decode_formats_data():
     on int8 products) are "q8_0 int8" and "q4_0 int8"."""
     _, b = bench("decode_formats.json")
     probes = {t: b[f"bandwidth/threads:{t}"]["bytes"] for t in (1, 2)}
-    attn = {}
-    for name, e in b.items():
-        m = re.match(r"decode_formats(_int8)?/Lk:(\d+)/Hq:(\d+)/Hkv:8/D:128/threads:(\d)/"
-                     r"format:(\d)$", name)
-        if m:
-            fmt = FORMATS[int(m.group(5))] + (" int8" if m.group(1) else "")
-            attn[(int(m.group(2)), int(m.group(3)), int(m.group(4)), fmt)] = e["KV_bytes"]
+    attn = {k[:4]: r for k, r in decode_rates(b).items() if not k[4]}
     return probes, attn, ggml_rates("ggml_decode.json")
+
+
+def decode_rates(b):
+    """{(Lk, Hq, threads, format, cold): KV bytes/s} of decode_formats(_int8)(_cold) in b."""
+    rates = {}
+    for name, e in b.items():
+        m = re.match(r"decode_formats(_int8)?(_cold)?/Lk:(\d+)/Hq:(\d+)/Hkv:8/D:128/"
+                     r"threads:(\d)/format:(\d)(/min_time:[\d.]+)?$", name)
+        if m:
+            fmt = FORMATS[int(m.group(6))] + (" int8" if m.group(1) else "")
+            key = (int(m.group(3)), int(m.group(4)), int(m.group(5)), fmt, bool(m.group(2)))
+            rates[key] = e["KV_bytes"]
+    return rates
 
 
 def ggml_rates(name):
@@ -390,25 +397,13 @@ def table_decode_formats():
     return lines
 
 
-def decode_cold_rates(b):
-    """{(Hq, threads, format, cold): KV bytes/s} of decode_formats(_int8)(_cold) at Lk = 32768."""
-    rates = {}
-    for name, e in b.items():
-        m = re.match(r"decode_formats(_int8)?(_cold)?/Lk:32768/Hq:(\d+)/Hkv:8/D:128/threads:(\d)/"
-                     r"format:(\d)(/min_time:[\d.]+)?$", name)
-        if m:
-            fmt = FORMATS[int(m.group(5))] + (" int8" if m.group(1) else "")
-            rates[(int(m.group(3)), int(m.group(4)), fmt, bool(m.group(2)))] = e["KV_bytes"]
-    return rates
-
-
 def table_decode_formats_cold():
     """Lk = 32768 with the caches warm (each call after the last) and cold (evicted before each
     call), as shares of the probe of the same run, and q8_0 over half in both."""
     _, b = bench("decode_formats_cold.json")
     probes = {t: b[f"bandwidth/threads:{t}"]["bytes"] for t in (1, 2)
               if f"bandwidth/threads:{t}" in b}
-    rates = decode_cold_rates(b)
+    rates = {k[1:]: r for k, r in decode_rates(b).items() if k[0] == 32768}
     formats = [f for f in FORMATS + ["q8_0 int8", "q4_0 int8"]
                if any(k[2] == f for k in rates)]
     best_q8 = "q8_0 int8" if "q8_0 int8" in formats else "q8_0"
@@ -472,7 +467,7 @@ def table_stream_compute():
 
     for fmas in sorted({k[0] for k in probe if k[0] > 0}):
         row(f"probe, {fmas} FMAs per line", probe[(fmas, False)], probe[(fmas, True)])
-    rates = decode_cold_rates(b)
+    rates = {k[1:]: r for k, r in decode_rates(b).items() if k[0] == 32768}
     for hq in (8, 32):
         heads = "Hq = Hkv = 8" if hq == 8 else "GQA 32/8"
         for fmt in ("q8_0", "q8_0 int8", "q4_0 int8"):
