@@ -3,7 +3,8 @@
 //   --isa generic|avx2|avx512|avx512_vnni|avx512_bf16
 //       force the kernels' instruction set (attn::set_isa) for the whole run; exits with 77
 //       (ctest: skipped) when this CPU lacks it. ctest runs the [isa] test cases once per
-//       instruction set ([int8] on avx512_vnni, [bf16] and [int8] on avx512_bf16 too).
+//       instruction set ([int8] on avx512_vnni, [bf16] and [int8] but [sweep] on
+//       avx512_bf16 too).
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 

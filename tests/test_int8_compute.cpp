@@ -15,12 +15,14 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <catch2/catch.hpp>
 
 #include <attn/attention.hpp>
 #include <attn/cpu.hpp>
+#include <attn/kernels/dispatch.hpp>
 #include <attn/kv_cache.hpp>
 #include <attn/paged_kv_cache.hpp>
 #include <attn/quantized.hpp>
@@ -188,12 +190,12 @@ void check_formats(const char* formats) {
 }  // namespace
 
 TEST_CASE("int8 products: q8_0 keys within twice a plain float implementation's error",
-          "[isa][int8]") {
+          "[isa][int8][sweep]") {
   check_formats<BlockQ8_0, BlockQ8_0>("K q8_0, V q8_0");
 }
 
 TEST_CASE("int8 products: q4_0 keys within twice a plain float implementation's error",
-          "[isa][int8]") {
+          "[isa][int8][sweep]") {
   check_formats<BlockQ4_0, BlockQ8_0>("K q4_0, V q8_0");
   check_formats<BlockQ4_0, BlockQ4_0>("K q4_0, V q4_0");
 }
@@ -368,3 +370,39 @@ TEST_CASE("int8 products: SageAttention's metrics against the fp32 path on the s
     CHECK(largest > 0.0);  // the query was quantized
   }
 }
+
+#if ATTN_X86_DISPATCH
+namespace {
+
+template <class SK, class SV>
+void check_same_int8_kernels(const char* formats) {
+  INFO(formats);
+  const auto int8_kernels = [](attn::Isa isa) {
+    return attn::detail::dispatch(isa, [](auto table) {
+      using Table = decltype(table);
+      return std::make_pair(Table::template decode<float, SK, SV>.decode_split_int8,
+                            Table::template forward<float, SK, SV>.flash_tile_int8);
+    });
+  };
+  const auto vnni = int8_kernels(attn::Isa::avx512_vnni);
+  CHECK(vnni.first != nullptr);
+  CHECK(vnni.second != nullptr);
+  CHECK(int8_kernels(attn::Isa::avx512_bf16) == vnni);
+}
+
+}  // namespace
+
+// ctest runs the [sweep] cases (one kernel over many shapes) on avx512_vnni only: this is what
+// makes that enough for avx512_bf16 too (tests/CMakeLists.txt).
+TEST_CASE("int8 products: avx512_bf16 runs avx512_vnni's int8 kernels", "[int8]") {
+  check_same_int8_kernels<BlockQ8_0, BlockQ8_0>("K q8_0, V q8_0");
+  check_same_int8_kernels<BlockQ8_0, BlockQ4_0>("K q8_0, V q4_0");
+  check_same_int8_kernels<BlockQ4_0, BlockQ8_0>("K q4_0, V q8_0");
+  check_same_int8_kernels<BlockQ4_0, BlockQ4_0>("K q4_0, V q4_0");
+  CHECK(attn::detail::dispatch(attn::Isa::avx512_bf16, [](auto table) {
+          return decltype(table)::template forward<float, float, float>.flash_tile_int8;
+        }) == attn::detail::dispatch(attn::Isa::avx512_vnni, [](auto table) {
+          return decltype(table)::template forward<float, float, float>.flash_tile_int8;
+        }));
+}
+#endif  // ATTN_X86_DISPATCH

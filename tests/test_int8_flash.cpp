@@ -264,11 +264,11 @@ TEST_CASE("int8 flash: keys and values in q8_0 and q4_0 blocks, dequantized as t
 }
 
 TEST_CASE("int8 flash: float inputs within twice a plain float implementation's error",
-          "[isa][int8]") {
+          "[isa][int8][sweep]") {
   check_against_reference<float>("float");
 }
 
-TEST_CASE("int8 flash: half and bfloat16 inputs, widened as they are read", "[isa][int8]") {
+TEST_CASE("int8 flash: half and bfloat16 inputs, widened as they are read", "[isa][int8][sweep]") {
   check_against_reference<Eigen::half>("half");
   check_against_reference<Eigen::bfloat16>("bfloat16");
 }
