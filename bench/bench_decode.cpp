@@ -8,7 +8,8 @@
 // against 2 * Hkv * Lk * D * sizeof(K) bytes. The counter that matters is "KV_bytes", the
 // bytes of K and V a call must read (once per kv head, however many query heads share it),
 // as a rate; "bandwidth" is a plain streaming probe (the sum of a 512 MiB float array, one
-// pass per iteration) in the same binary, the ceiling to read it against.
+// pass per iteration) in the same binary, the ceiling to read it against, and
+// "bandwidth_huge_pages" the same array on transparent huge pages.
 //
 // Families (args Lq, Lk, Hq, Hkv, D, threads, half, kernel; kernel 1 flash, 2 decode,
 // 3 naive):
@@ -24,6 +25,9 @@
 //                          evicted before each call (common.hpp's evict_caches, not timed):
 //                          K and V from memory even where the last-level cache could hold
 //                          them between calls, as it cannot in a model's decode step
+//   decode_formats_cold_huge_pages, decode_formats_int8_cold_huge_pages   the same with K and
+//                          V on transparent huge pages (common.hpp's PageAllocator), against
+//                          bandwidth_huge_pages, the streaming probe on huge pages
 //   stream_compute         a probe of how far arithmetic overlaps a memory stream on this CPU:
 //                          two byte arrays read in alternating blocks of 8704 bytes (the K and
 //                          V blocks of 64 keys of a q8_0 cache, D = 128; 71 MiB in all, as at
@@ -73,6 +77,7 @@ namespace {
 
 using attn::Index;
 using attn_bench::BM_bandwidth;
+using attn_bench::BM_bandwidth_huge_pages;
 using attn_bench::set_threads;
 using attn_bench::smoke;
 
@@ -259,21 +264,29 @@ double bytes_per_value(Format format) {
   return 0.0;
 }
 
-/// K and V (B = 1, Hkv, Lk, D) stored in one format: the values as stored, and their views.
+/// K and V (B = 1, Hkv, Lk, D) stored in one format: the values as stored, and their views,
+/// on huge pages or not (attn_bench::PageAllocator).
 struct StoredKV {
-  std::vector<float> f32;
-  std::vector<Eigen::half> f16;
-  std::vector<attn::BlockQ8_0> q8_0;
-  std::vector<attn::BlockQ4_0> q4_0;
+  template <class T>
+  using Stored = attn_bench::PageVector<T>;
+  Stored<float> f32;
+  Stored<Eigen::half> f16;
+  Stored<attn::BlockQ8_0> q8_0;
+  Stored<attn::BlockQ4_0> q4_0;
 
   /// Stores x in `format` and replaces x with the values the format reads back.
-  StoredKV(std::vector<float>& x, Format format) {
+  StoredKV(std::vector<float>& x, Format format, bool huge_pages)
+      : f32(attn_bench::PageAllocator<float>(huge_pages)),
+        f16(attn_bench::PageAllocator<Eigen::half>(huge_pages)),
+        q8_0(attn_bench::PageAllocator<attn::BlockQ8_0>(huge_pages)),
+        q4_0(attn_bench::PageAllocator<attn::BlockQ4_0>(huge_pages)) {
     const auto n = static_cast<Index>(x.size());
     switch (format) {
       case Format::f32:
-        f32 = x;
+        f32.assign(x.begin(), x.end());
         break;
       case Format::f16:
+        f16.reserve(x.size());
         for (float& e : x) {
           f16.emplace_back(e);
           e = static_cast<float>(f16.back());
@@ -296,10 +309,10 @@ struct StoredKV {
 /// One decode call of Lq = 1 against Lk keys with K and V stored as `format` (arg 6: 0 float,
 /// 1 half, 2 q8_0, 3 q4_0), the decode kernel called directly for each, its scores on int8
 /// products if `int8` (where the CPU has them: ComputePrecision::int8), the caches evicted
-/// before each call if `cold` (the eviction not timed); validated against
-/// naive on the values the format reads back (within 1e-4; 5e-3 with int8 products, which
-/// quantize the query). "KV_bytes" counts the stored bytes.
-void decode_format(benchmark::State& state, bool int8, bool cold) {
+/// before each call if `cold` (the eviction not timed), K and V on huge pages if `huge_pages`;
+/// validated against naive on the values the format reads back (within 1e-4; 5e-3 with int8
+/// products, which quantize the query). "KV_bytes" counts the stored bytes.
+void decode_format(benchmark::State& state, bool int8, bool cold, bool huge_pages = false) {
   const Index k_length = state.range(0), q_heads = state.range(1), kv_heads = state.range(2),
               dim = state.range(3);
   const int threads = static_cast<int>(state.range(4));
@@ -311,7 +324,7 @@ void decode_format(benchmark::State& state, bool int8, bool cold) {
   attn_bench::fill_normal(q, 1u);
   attn_bench::fill_normal(k, 2u);
   attn_bench::fill_normal(v, 3u);
-  const StoredKV ks(k, format), vs(v, format);
+  const StoredKV ks(k, format, huge_pages), vs(v, format, huge_pages);
   const auto qv = attn::bhld_view(static_cast<const float*>(q.data()), Index(1), q_heads, 1, dim);
   attn::AttentionOptions<float> options;
   options.causal = attn::Causal::bottom_right;
@@ -392,6 +405,12 @@ void BM_decode_format_cold(benchmark::State& state) {
 void BM_decode_format_int8_cold(benchmark::State& state) {
   decode_format(state, true, true);
 }
+void BM_decode_format_cold_huge_pages(benchmark::State& state) {
+  decode_format(state, false, true, true);
+}
+void BM_decode_format_int8_cold_huge_pages(benchmark::State& state) {
+  decode_format(state, true, true, true);
+}
 
 /// Lq new queries (the cache's last Lq tokens) against a KVCache<S> of Lk tokens through the
 /// public attend_into, the kernel forced (arg 5: 0 decode, 1 flash, 2 decode and 3 flash on
@@ -413,7 +432,8 @@ void prefill_from_cache(benchmark::State& state, std::vector<float>& k, std::vec
   cache.append(
       attn::bhld_view(static_cast<const float*>(k.data()), Index(1), kv_heads, k_length, dim),
       attn::bhld_view(static_cast<const float*>(v.data()), Index(1), kv_heads, k_length, dim));
-  const StoredKV read_k(k, format), read_v(v, format);  // k, v: the values as read back
+  const StoredKV read_k(k, format, false),
+      read_v(v, format, false);  // k, v: the values as read back
   std::vector<float> q(static_cast<std::size_t>(q_heads * q_length * dim));
   attn_bench::fill_normal(q, 1u);
   std::vector<float> out(q.size()), reference(q.size());
@@ -474,12 +494,14 @@ void BM_decode_isa(benchmark::State& state, attn::Isa isa) {
 
 void register_all() {
   const bool tiny = smoke();
-  benchmark::RegisterBenchmark("bandwidth", BM_bandwidth)
-      ->ArgNames({"threads"})
-      ->Arg(1)
-      ->Arg(2)
-      ->UseRealTime()
-      ->Unit(benchmark::kMillisecond);
+  for (const auto& [name, probe] : {std::pair{"bandwidth", &BM_bandwidth},
+                                    std::pair{"bandwidth_huge_pages", &BM_bandwidth_huge_pages}})
+    benchmark::RegisterBenchmark(name, probe)
+        ->ArgNames({"threads"})
+        ->Arg(1)
+        ->Arg(2)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
   const std::vector<std::int64_t> lengths =
       tiny ? std::vector<std::int64_t>{512}
            : std::vector<std::int64_t>{512, 2048, 8192, 16384, 32768};
@@ -545,6 +567,14 @@ void register_all() {
   cold(benchmark::RegisterBenchmark("decode_formats_cold", BM_decode_format_cold), {0, 1, 2, 3});
   if (attn::isa_supported(attn::Isa::avx512_vnni))
     cold(benchmark::RegisterBenchmark("decode_formats_int8_cold", BM_decode_format_int8_cold),
+         {2, 3});
+  // The same with K and V on huge pages, against bandwidth_huge_pages.
+  cold(benchmark::RegisterBenchmark("decode_formats_cold_huge_pages",
+                                    BM_decode_format_cold_huge_pages),
+       {0, 1, 2, 3});
+  if (attn::isa_supported(attn::Isa::avx512_vnni))
+    cold(benchmark::RegisterBenchmark("decode_formats_int8_cold_huge_pages",
+                                      BM_decode_format_int8_cold_huge_pages),
          {2, 3});
   // How far arithmetic overlaps the memory stream: cold against warm at 0 .. 32 FMAs per line.
   evicting(benchmark::RegisterBenchmark("stream_compute", BM_stream_compute)

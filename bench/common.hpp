@@ -26,8 +26,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <new>
 #include <random>
 #include <string>
 #include <utility>
@@ -38,6 +40,10 @@
 #include <attn/config.hpp>
 #include <attn/cpu.hpp>
 #include <attn/kernels/simd/target.hpp>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace attn_bench {
 
@@ -59,7 +65,8 @@ inline void set_threads(int threads) {
 /// std::normal_distribution: libstdc++'s generate_canonical takes two long double logarithms
 /// of constants on every draw, which clang does not fold, and the smoke runs (ctest) of the
 /// clang CI tree spent 90% of their time there, filling inputs before timing.
-inline void fill_normal(std::vector<float>& values, unsigned seed) {
+template <class Allocator>
+void fill_normal(std::vector<float, Allocator>& values, unsigned seed) {
   std::mt19937 rng(seed);
   const auto uniform = [&rng] { return (static_cast<double>(rng()) + 0.5) * 0x1p-32; };  // (0, 1)
   constexpr double two_pi = 6.283185307179586;
@@ -72,19 +79,74 @@ inline void fill_normal(std::vector<float>& values, unsigned seed) {
   }
 }
 
+/// Memory for the large arrays of a benchmark: with `huge_pages`, blocks of 2 MiB and more
+/// are 2 MiB-aligned and marked for transparent huge pages before their first touch (Linux
+/// madvise(MADV_HUGEPAGE): a hint, 4 KiB pages where the system has THP off); without, or
+/// elsewhere, ordinary memory. Each 4 KiB page of a stream costs a TLB miss, and in a VM a
+/// two-level page walk.
+template <class T>
+struct PageAllocator {
+  using value_type = T;
+  static constexpr std::size_t huge_page = std::size_t{2} << 20;
+  bool huge_pages = false;
+
+  PageAllocator() = default;
+  explicit PageAllocator(bool huge) : huge_pages(huge) {}
+  template <class U>
+  PageAllocator(const PageAllocator<U>& other) : huge_pages(other.huge_pages) {}  // NOLINT
+
+  bool on_huge_pages(std::size_t n) const {
+#if defined(__linux__)
+    return huge_pages && n * sizeof(T) >= huge_page;
+#else
+    return false;
+#endif
+  }
+  T* allocate(std::size_t n) {
+#if defined(__linux__)
+    if (on_huge_pages(n)) {
+      const std::size_t bytes = (n * sizeof(T) + huge_page - 1) / huge_page * huge_page;
+      void* block = std::aligned_alloc(huge_page, bytes);
+      if (block == nullptr)
+        throw std::bad_alloc();
+      madvise(block, bytes, MADV_HUGEPAGE);
+      return static_cast<T*>(block);
+    }
+#endif
+    return static_cast<T*>(::operator new (n * sizeof(T), std::align_val_t{64}));
+  }
+  void deallocate(T* block, std::size_t n) {
+    if (on_huge_pages(n))
+      std::free(block);  // NOLINT(cppcoreguidelines-no-malloc): aligned_alloc's block
+    else
+      ::operator delete (block, std::align_val_t{64});
+  }
+};
+template <class T, class U>
+bool operator==(const PageAllocator<T>& a, const PageAllocator<U>& b) {
+  return a.huge_pages == b.huge_pages;
+}
+template <class T, class U>
+bool operator!=(const PageAllocator<T>& a, const PageAllocator<U>& b) {
+  return !(a == b);
+}
+template <class T>
+using PageVector = std::vector<T, PageAllocator<T>>;
+
 /// The streaming probe (arg: threads): a 512 MiB float array summed, one pass an iteration
 /// (4 MiB under ATTN_BENCH_SMOKE); its "bytes" rate is the ceiling of memory-bound calls.
+/// BM_bandwidth_huge_pages: the same array on huge pages (PageAllocator).
 /// Floats of the streaming probe's array and of evict_caches' buffer: 512 MiB (4 MiB under
 /// smoke()).
 inline std::size_t streaming_floats() {
   return smoke() ? (std::size_t{1} << 20) : (std::size_t{1} << 27);
 }
 
-inline void BM_bandwidth(benchmark::State& state) {
+inline void streaming_probe(benchmark::State& state, bool huge_pages) {
   const int threads = static_cast<int>(state.range(0));
   set_threads(threads);
   const std::size_t n = streaming_floats();
-  std::vector<float> data(n);
+  PageVector<float> data(n, 0.0f, PageAllocator<float>(huge_pages));
   fill_normal(data, 3u);
   const auto length = static_cast<std::int64_t>(n);
   for (auto _ : state) {
@@ -103,6 +165,13 @@ inline void BM_bandwidth(benchmark::State& state) {
                                                benchmark::Counter::kIsIterationInvariantRate,
                                                benchmark::Counter::kIs1024);
   set_threads(1);
+}
+
+inline void BM_bandwidth(benchmark::State& state) {
+  streaming_probe(state, false);
+}
+inline void BM_bandwidth_huge_pages(benchmark::State& state) {
+  streaming_probe(state, true);
 }
 
 /// Reads a 512 MiB buffer (4 MiB under smoke()), once per call: the caches then hold it, not

@@ -332,12 +332,15 @@ def decode_formats_data():
     return probes, attn, ggml_rates("ggml_decode.json")
 
 
-def decode_rates(b):
-    """{(Lk, Hq, threads, format, cold): KV bytes/s} of decode_formats(_int8)(_cold) in b."""
+def decode_rates(b, huge_pages=False):
+    """{(Lk, Hq, threads, format, cold): KV bytes/s} of decode_formats(_int8)(_cold) in b, or
+    with huge_pages of decode_formats(_int8)_cold_huge_pages (K and V on huge pages)."""
     rates = {}
+    suffix = "_huge_pages" if huge_pages else ""
     for name, e in b.items():
-        m = re.match(r"decode_formats(_int8)?(_cold)?/Lk:(\d+)/Hq:(\d+)/Hkv:8/D:128/"
-                     r"threads:(\d)/format:(\d)(/min_time:[\d.]+)?$", name)
+        m = re.match(r"decode_formats(_int8)?(_cold)?" + suffix
+                     + r"/Lk:(\d+)/Hq:(\d+)/Hkv:8/D:128/threads:(\d)/format:(\d)"
+                     r"(/min_time:[\d.]+)?$", name)
         if m:
             fmt = FORMATS[int(m.group(6))] + (" int8" if m.group(1) else "")
             key = (int(m.group(3)), int(m.group(4)), int(m.group(5)), fmt, bool(m.group(2)))
@@ -474,6 +477,43 @@ def table_stream_compute():
             if (hq, 1, fmt, False) in rates and (hq, 1, fmt, True) in rates:
                 row(f"decode, {fmt}, {heads}", 64e9 / rates[(hq, 1, fmt, False)],
                     64e9 / rates[(hq, 1, fmt, True)])
+    return lines
+
+
+def table_decode_huge_pages():
+    """Cold decode with K and V on 4 KiB pages against the probe on 4 KiB pages, and on huge
+    pages against the probe on huge pages, from one run; and how much faster huge pages make
+    each."""
+    _, b = bench("decode_huge_pages.json")
+    probes = {(t, huge): b[f"{name}/threads:{t}"]["bytes"] for t in (1, 2)
+              for huge, name in ((False, "bandwidth"), (True, "bandwidth_huge_pages"))
+              if f"{name}/threads:{t}" in b}
+    rates = {huge: {k[1:4]: r for k, r in decode_rates(b, huge).items() if k[0] == 32768 and k[4]}
+             for huge in (False, True)}
+    formats = [f for f in FORMATS + ["q8_0 int8", "q4_0 int8"]
+               if any(k[2] == f for k in rates[True])]
+    threads = sorted({t for t, _ in probes})
+    lines = source("decode_huge_pages.json",
+                   probes="cold calls (the caches evicted before each), K/V bytes a call must "
+                   "read per second as shares of the streaming probe on the same pages: "
+                   "`bandwidth` on 4 KiB pages ("
+                   + ", ".join(f"{probes[(t, False)] / 2**30:.1f} GiB/s on "
+                               f"{'one thread' if t == 1 else 'two'}" for t in threads)
+                   + "), `bandwidth_huge_pages` on transparent huge pages ("
+                   + ", ".join(f"{probes[(t, True)] / 2**30:.1f}" for t in threads)
+                   + "); in brackets the time on 4 KiB pages over the time on huge pages")
+    lines += ["| Lk = 32768, D = 128, Lq = 1, cold: 4 KiB pages / huge pages | threads | "
+              + " | ".join(formats) + " |", "|---" * (len(formats) + 2) + "|"]
+    for hq in (8, 32):
+        for t in threads:
+            if (hq, t, "half") not in rates[True]:
+                continue
+            heads = "Hq = Hkv = 8" if hq == 8 else "GQA 32/8"
+            cells = [f"{share(rates[False][(hq, t, f)], probes[(t, False)])} / "
+                     f"{share(rates[True][(hq, t, f)], probes[(t, True)])} "
+                     f"({rates[True][(hq, t, f)] / rates[False][(hq, t, f)]:.2f}x)"
+                     for f in formats]
+            lines.append(f"| {heads} | {t} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -960,6 +1000,7 @@ TABLES = {
     "decode-formats": table_decode_formats,
     "decode-formats-cold": table_decode_formats_cold,
     "stream-compute": table_stream_compute,
+    "decode-huge-pages": table_decode_huge_pages,
     "prefill-formats": table_prefill_formats,
     "prefill-formats-int8": table_prefill_formats_int8,
     "tiny-lm-kv-formats": table_tiny_lm_kv_formats,
