@@ -494,14 +494,9 @@ void BM_decode_isa(benchmark::State& state, attn::Isa isa) {
 
 void register_all() {
   const bool tiny = smoke();
-  for (const auto& [name, probe] : {std::pair{"bandwidth", &BM_bandwidth},
-                                    std::pair{"bandwidth_huge_pages", &BM_bandwidth_huge_pages}})
-    benchmark::RegisterBenchmark(name, probe)
-        ->ArgNames({"threads"})
-        ->Arg(1)
-        ->Arg(2)
-        ->UseRealTime()
-        ->Unit(benchmark::kMillisecond);
+  attn_bench::on_one_and_two_threads(benchmark::RegisterBenchmark("bandwidth", BM_bandwidth));
+  attn_bench::on_one_and_two_threads(
+      benchmark::RegisterBenchmark("bandwidth_huge_pages", BM_bandwidth_huge_pages));
   const std::vector<std::int64_t> lengths =
       tiny ? std::vector<std::int64_t>{512}
            : std::vector<std::int64_t>{512, 2048, 8192, 16384, 32768};

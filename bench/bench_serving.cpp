@@ -386,12 +386,7 @@ void register_mla() {
 
 void register_benchmarks() {
   attn_bench::register_fma_peak();
-  benchmark::RegisterBenchmark("bandwidth", BM_bandwidth)
-      ->ArgName("threads")
-      ->Arg(1)
-      ->Arg(2)
-      ->UseRealTime()
-      ->Unit(benchmark::kMillisecond);
+  attn_bench::on_one_and_two_threads(benchmark::RegisterBenchmark("bandwidth", BM_bandwidth));
   for (const auto& [name, function] : {std::pair{"shared_prefix", &BM_shared_prefix},
                                        std::pair{"per_sequence", &BM_per_sequence}}) {
     auto* b = benchmark::RegisterBenchmark(name, function)

@@ -406,16 +406,16 @@ inline void BM_int8_dot_peak(benchmark::State& state) {
       2.0 * 4 * 16, "OPS");
 }
 
+/// A probe's runs, "<name>/threads:{1,2}", in milliseconds of real time.
+inline void on_one_and_two_threads(benchmark::internal::Benchmark* probe) {
+  probe->ArgNames({"threads"})->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+
 /// Registers "<name>/threads:{1,2}" for `probe` where the CPU has `isa`.
 inline void register_dot_peak(const char* name, void (*probe)(benchmark::State&), attn::Isa isa) {
   if (!attn::isa_supported(isa))
     return;
-  benchmark::RegisterBenchmark(name, probe)
-      ->ArgNames({"threads"})
-      ->Arg(1)
-      ->Arg(2)
-      ->UseRealTime()
-      ->Unit(benchmark::kMillisecond);
+  on_one_and_two_threads(benchmark::RegisterBenchmark(name, probe));
 }
 
 /// Registers "bf16_dot_peak/threads:{1,2}" where the CPU has bf16 dot products.
@@ -431,12 +431,8 @@ inline void register_int8_dot_peak() {
 /// Registers "fma_peak/threads:{1,2}": the probe of the widest instruction set this CPU has
 /// (attn::best_isa()), the machine's arithmetic ceiling whatever this binary's flags.
 inline void register_fma_peak() {
-  benchmark::RegisterBenchmark("fma_peak", BM_fma_peak_isa, attn::best_isa())
-      ->ArgNames({"threads"})
-      ->Arg(1)
-      ->Arg(2)
-      ->UseRealTime()
-      ->Unit(benchmark::kMillisecond);
+  on_one_and_two_threads(
+      benchmark::RegisterBenchmark("fma_peak", BM_fma_peak_isa, attn::best_isa()));
 }
 
 /// Registers "fma_peak_isa/<isa>/threads:{1,2}" for avx2 and avx512 as this CPU has them.
@@ -444,13 +440,8 @@ inline void register_fma_peak_isas() {
   for (const attn::Isa isa : {attn::Isa::avx2, attn::Isa::avx512}) {
     if (!attn::isa_supported(isa))
       continue;
-    benchmark::RegisterBenchmark((std::string("fma_peak_isa/") + attn::isa_name(isa)).c_str(),
-                                 BM_fma_peak_isa, isa)
-        ->ArgNames({"threads"})
-        ->Arg(1)
-        ->Arg(2)
-        ->UseRealTime()
-        ->Unit(benchmark::kMillisecond);
+    on_one_and_two_threads(benchmark::RegisterBenchmark(
+        (std::string("fma_peak_isa/") + attn::isa_name(isa)).c_str(), BM_fma_peak_isa, isa));
   }
 }
 
