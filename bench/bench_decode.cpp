@@ -275,7 +275,7 @@ struct StoredKV {
   Stored<attn::BlockQ4_0> q4_0;
 
   /// Stores x in `format` and replaces x with the values the format reads back.
-  StoredKV(std::vector<float>& x, Format format, bool huge_pages)
+  StoredKV(std::vector<float>& x, Format format, bool huge_pages = false)
       : f32(attn_bench::PageAllocator<float>(huge_pages)),
         f16(attn_bench::PageAllocator<Eigen::half>(huge_pages)),
         q8_0(attn_bench::PageAllocator<attn::BlockQ8_0>(huge_pages)),
@@ -432,8 +432,7 @@ void prefill_from_cache(benchmark::State& state, std::vector<float>& k, std::vec
   cache.append(
       attn::bhld_view(static_cast<const float*>(k.data()), Index(1), kv_heads, k_length, dim),
       attn::bhld_view(static_cast<const float*>(v.data()), Index(1), kv_heads, k_length, dim));
-  const StoredKV read_k(k, format, false),
-      read_v(v, format, false);  // k, v: the values as read back
+  const StoredKV read_k(k, format), read_v(v, format);  // k, v: the values as read back
   std::vector<float> q(static_cast<std::size_t>(q_heads * q_length * dim));
   attn_bench::fill_normal(q, 1u);
   std::vector<float> out(q.size()), reference(q.size());
