@@ -28,6 +28,11 @@
 //   decode_formats_cold_huge_pages, decode_formats_int8_cold_huge_pages   the same with K and
 //                          V on transparent huge pages (common.hpp's PageAllocator), against
 //                          bandwidth_huge_pages, the streaming probe on huge pages
+//   kv_cache_decode_cold   one query per head against a KVCache of each format (format 0..3)
+//                          through attend_into, Lk = 32768, from memory, the cache's buffers
+//                          on huge pages (huge:1, attn/cache/huge_pages.hpp's default) or not
+//                          (huge:0); "resident_over_stored" is the resident memory the cache
+//                          added over its stored bytes
 //   stream_compute         a probe of how far arithmetic overlaps a memory stream on this CPU:
 //                          two byte arrays read in alternating blocks of 8704 bytes (the K and
 //                          V blocks of 64 keys of a q8_0 cache, D = 128; 71 MiB in all, as at
@@ -60,6 +65,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <fstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -72,6 +78,10 @@
 #include <attn/quantized.hpp>
 
 #include "common.hpp"
+
+#if defined(__linux__)
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -412,6 +422,81 @@ void BM_decode_format_int8_cold_huge_pages(benchmark::State& state) {
   decode_format(state, true, true, true);
 }
 
+/// The process's resident memory in bytes (Linux; 0 elsewhere).
+double resident_bytes() {
+#if defined(__linux__)
+  std::ifstream statm("/proc/self/statm");
+  double pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * static_cast<double>(sysconf(_SC_PAGESIZE));
+#else
+  return 0;
+#endif
+}
+
+/// One query per head against a KVCache<S> of Lk tokens through the public attend_into, from
+/// memory (the caches evicted before each call), its buffers on huge pages (huge:1, the
+/// default of attn/cache/huge_pages.hpp) or on small ones (huge:0, set_cache_huge_pages
+/// off). "resident_over_stored": the resident memory the cache's allocation and append
+/// added, over its stored bytes.
+template <class S>
+void kv_cache_decode(benchmark::State& state, const std::vector<float>& k,
+                     const std::vector<float>& v, Format format) {
+  const Index k_length = state.range(0), q_heads = state.range(1), kv_heads = state.range(2),
+              dim = 128;
+  const bool huge = state.range(5) != 0;
+  std::vector<float> q(static_cast<std::size_t>(q_heads * dim)), out(q.size());
+  attn_bench::fill_normal(q, 1u);
+  const double resident_before = resident_bytes();
+  const bool was_on = attn::cache_huge_pages();
+  attn::set_cache_huge_pages(huge);
+  attn::KVCache<S> cache(1, kv_heads, dim, dim, k_length);
+  attn::set_cache_huge_pages(was_on);
+  cache.append(
+      attn::bhld_view(static_cast<const float*>(k.data()), Index(1), kv_heads, k_length, dim),
+      attn::bhld_view(static_cast<const float*>(v.data()), Index(1), kv_heads, k_length, dim));
+  const double stored =
+      2.0 * static_cast<double>(kv_heads * k_length * dim) * bytes_per_value(format);
+  const double resident_added = resident_bytes() - resident_before;
+  const auto qv = attn::bhld_view(static_cast<const float*>(q.data()), Index(1), q_heads, 1, dim);
+  const auto out_view = attn::bhld_view(out.data(), Index(1), q_heads, 1, dim);
+  for (auto _ : state) {
+    state.PauseTiming();
+    attn_bench::evict_caches();
+    state.ResumeTiming();
+    cache.attend_into(qv, out_view);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["KV_bytes"] = benchmark::Counter(
+      stored, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1024);
+  state.counters["resident_over_stored"] = resident_added / stored;
+}
+
+void BM_kv_cache_decode_cold(benchmark::State& state) {
+  const Index k_length = state.range(0), kv_heads = state.range(2), dim = 128;
+  const int threads = static_cast<int>(state.range(3));
+  set_threads(threads);
+  std::vector<float> k(static_cast<std::size_t>(kv_heads * k_length * dim)), v(k.size());
+  attn_bench::fill_normal(k, 2u);
+  attn_bench::fill_normal(v, 3u);
+  switch (static_cast<Format>(state.range(4))) {
+    case Format::f32:
+      kv_cache_decode<float>(state, k, v, Format::f32);
+      break;
+    case Format::f16:
+      kv_cache_decode<Eigen::half>(state, k, v, Format::f16);
+      break;
+    case Format::q8_0:
+      kv_cache_decode<attn::BlockQ8_0>(state, k, v, Format::q8_0);
+      break;
+    case Format::q4_0:
+      kv_cache_decode<attn::BlockQ4_0>(state, k, v, Format::q4_0);
+      break;
+  }
+  set_threads(1);
+}
+
 /// Lq new queries (the cache's last Lq tokens) against a KVCache<S> of Lk tokens through the
 /// public attend_into, the kernel forced (arg 5: 0 decode, 1 flash, 2 decode and 3 flash on
 /// int8 products, ComputePrecision::int8): where a quantized cache
@@ -570,6 +655,10 @@ void register_all() {
     cold(benchmark::RegisterBenchmark("decode_formats_int8_cold_huge_pages",
                                       BM_decode_format_int8_cold_huge_pages),
          {2, 3});
+  // A user's KVCache from memory, its buffers on huge pages (the default) or not.
+  evicting(benchmark::RegisterBenchmark("kv_cache_decode_cold", BM_kv_cache_decode_cold)
+               ->ArgNames({"Lk", "Hq", "Hkv", "threads", "format", "huge"})
+               ->ArgsProduct({{tiny ? 512 : 32768}, {8, 32}, {8}, {1, 2}, {0, 1, 2, 3}, {0, 1}}));
   // How far arithmetic overlaps the memory stream: cold against warm at 0 .. 32 FMAs per line.
   evicting(benchmark::RegisterBenchmark("stream_compute", BM_stream_compute)
                ->ArgNames({"fmas", "cold"})

@@ -480,23 +480,18 @@ def table_stream_compute():
     return lines
 
 
-def table_decode_huge_pages():
-    """Cold decode with K and V on 4 KiB pages against the probe on 4 KiB pages, and on huge
-    pages against the probe on huge pages, from one run; and how much faster huge pages make
-    each."""
-    _, b = bench("decode_huge_pages.json")
-    probes = {(t, huge): b[f"{name}/threads:{t}"]["bytes"] for t in (1, 2)
-              for huge, name in ((False, "bandwidth"), (True, "bandwidth_huge_pages"))
-              if f"{name}/threads:{t}" in b}
-    rates = {huge: {k[1:4]: r for k, r in decode_rates(b, huge).items() if k[0] == 32768 and k[4]}
-             for huge in (False, True)}
-    formats = [f for f in FORMATS + ["q8_0 int8", "q4_0 int8"]
-               if any(k[2] == f for k in rates[True])]
+def pages_table(name, what, rates, formats):
+    """The lines of a table of cold decode on 4 KiB pages against the probe on 4 KiB pages and
+    on huge pages against the probe on huge pages, from one run (results/<name>), and how much
+    faster huge pages make each: `rates` {huge: {(Hq, threads, format): K/V bytes/s}}."""
+    _, b = bench(name)
+    probes = {(t, huge): b[f"{probe}/threads:{t}"]["bytes"] for t in (1, 2)
+              for huge, probe in ((False, "bandwidth"), (True, "bandwidth_huge_pages"))
+              if f"{probe}/threads:{t}" in b}
     threads = sorted({t for t, _ in probes})
-    lines = source("decode_huge_pages.json",
-                   probes="cold calls (the caches evicted before each), K/V bytes a call must "
-                   "read per second as shares of the streaming probe on the same pages: "
-                   "`bandwidth` on 4 KiB pages ("
+    lines = source(name,
+                   probes=f"{what}, K/V bytes a call must read per second as shares of the "
+                   "streaming probe on the same pages: `bandwidth` on 4 KiB pages ("
                    + ", ".join(f"{probes[(t, False)] / 2**30:.1f} GiB/s on "
                                f"{'one thread' if t == 1 else 'two'}" for t in threads)
                    + "), `bandwidth_huge_pages` on transparent huge pages ("
@@ -515,6 +510,35 @@ def table_decode_huge_pages():
                      for f in formats]
             lines.append(f"| {heads} | {t} | " + " | ".join(cells) + " |")
     return lines
+
+
+def table_decode_huge_pages():
+    """The decode kernel's cold calls with K and V on huge pages (PageAllocator) or not."""
+    _, b = bench("decode_huge_pages.json")
+    rates = {huge: {k[1:4]: r for k, r in decode_rates(b, huge).items() if k[0] == 32768 and k[4]}
+             for huge in (False, True)}
+    formats = [f for f in FORMATS + ["q8_0 int8", "q4_0 int8"]
+               if any(k[2] == f for k in rates[True])]
+    return pages_table("decode_huge_pages.json",
+                       "cold calls (the caches evicted before each)", rates, formats)
+
+
+def table_kv_cache_pages():
+    """A user's KVCache from memory with its buffers on huge pages (the default) or not; and
+    the resident memory the cache added over its stored bytes."""
+    _, b = bench("kv_cache_pages.json")
+    rates, resident = {False: {}, True: {}}, []
+    for name, e in b.items():
+        m = re.match(r"kv_cache_decode_cold/Lk:32768/Hq:(\d+)/Hkv:8/threads:(\d)/format:(\d)"
+                     r"/huge:(\d)", name)
+        if m:
+            key = (int(m.group(1)), int(m.group(2)), FORMATS[int(m.group(3))])
+            rates[m.group(4) == "1"][key] = e["KV_bytes"]
+            resident.append(e["resident_over_stored"])
+    lines = pages_table("kv_cache_pages.json", "`KVCache::attend_into`, cold (the caches "
+                        "evicted before each call)", rates, FORMATS)
+    return lines + ["", "Resident memory the cache added, over its stored bytes: "
+                    f"{min(resident):.3f} to {max(resident):.3f}."]
 
 
 def table_prefill_formats():
@@ -1001,6 +1025,7 @@ TABLES = {
     "decode-formats-cold": table_decode_formats_cold,
     "stream-compute": table_stream_compute,
     "decode-huge-pages": table_decode_huge_pages,
+    "kv-cache-pages": table_kv_cache_pages,
     "prefill-formats": table_prefill_formats,
     "prefill-formats-int8": table_prefill_formats_int8,
     "tiny-lm-kv-formats": table_tiny_lm_kv_formats,

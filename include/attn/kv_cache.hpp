@@ -49,6 +49,7 @@
 #include <Eigen/Core>
 
 #include "attn/attention.hpp"
+#include "attn/cache/huge_pages.hpp"
 #include "attn/cache/rows.hpp"
 #include "attn/config.hpp"
 #include "attn/hadamard.hpp"
@@ -419,8 +420,10 @@ class KVCache {
 
   /// Moves the held tokens into buffers of `capacity` rows per (b, kv head).
   void allocate(Index capacity) {
-    std::vector<S> keys(static_cast<std::size_t>(batch_ * kv_heads_ * capacity * key_units()));
-    std::vector<SV> values(static_cast<std::size_t>(batch_ * kv_heads_ * capacity * value_units()));
+    detail::CacheBuffer<S> keys(
+        static_cast<std::size_t>(batch_ * kv_heads_ * capacity * key_units()));
+    detail::CacheBuffer<SV> values(
+        static_cast<std::size_t>(batch_ * kv_heads_ * capacity * value_units()));
     const auto move_rows = [&](const auto& from, auto& to, Index b, Index h, Index units) {
       const auto* first = from.data() + ((b * kv_heads_ + h) * capacity_) * units;
       std::copy(first, first + lengths_[static_cast<std::size_t>(b)] * units,
@@ -440,9 +443,9 @@ class KVCache {
   Index batch_ = 0, kv_heads_ = 0, dim_ = 0, value_dim_ = 0, capacity_ = 0;
   bool allow_growth_ = true;
   KVRotation rotation_ = KVRotation::none;
-  std::vector<Index> lengths_;  // (B)
-  std::vector<S> keys_;         // (B, Hkv, capacity, D / values_per_unit_v<S>)
-  std::vector<SV> values_;      // (B, Hkv, capacity, Dv / values_per_unit_v<SV>)
+  std::vector<Index> lengths_;      // (B)
+  detail::CacheBuffer<S> keys_;     // (B, Hkv, capacity, D / values_per_unit_v<S>)
+  detail::CacheBuffer<SV> values_;  // (B, Hkv, capacity, Dv / values_per_unit_v<SV>)
 };
 
 }  // namespace attn

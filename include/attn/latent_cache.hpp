@@ -42,6 +42,7 @@
 
 #include <Eigen/Core>
 
+#include "attn/cache/huge_pages.hpp"
 #include "attn/cache/page_table.hpp"
 #include "attn/cache/paged_attend.hpp"
 #include "attn/cache/paged_sequences.hpp"
@@ -328,7 +329,7 @@ class LatentCache : public detail::PagedSequences {
   Index latent_dim_ = 0, rope_dim_ = 0;
   bool allow_growth_ = true;
   // the sequences, their block tables, the pages' reference counts
-  std::vector<S> pool_;  // (pages, P, (C + R) / values_per_unit_v<S>)
+  detail::CacheBuffer<S> pool_;  // (pages, P, (C + R) / values_per_unit_v<S>)
 };
 
 }  // namespace attn

@@ -32,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "attn/cache/huge_pages.hpp"
 #include "attn/cache/page_table.hpp"
 #include "attn/cache/paged_attend.hpp"
 #include "attn/cache/paged_sequences.hpp"
@@ -307,8 +308,8 @@ class PagedKVCache : public detail::PagedSequences {
   bool allow_growth_ = true;
   KVRotation rotation_ = KVRotation::none;
   // the sequences, their block tables, the pages' reference counts
-  std::vector<S> keys_;     // (pages, Hkv, P, D / values_per_unit_v<S>)
-  std::vector<SV> values_;  // (pages, Hkv, P, Dv / values_per_unit_v<SV>)
+  detail::CacheBuffer<S> keys_;     // (pages, Hkv, P, D / values_per_unit_v<S>)
+  detail::CacheBuffer<SV> values_;  // (pages, Hkv, P, Dv / values_per_unit_v<SV>)
 };
 
 }  // namespace attn
