@@ -6,11 +6,13 @@
 // declaring its part of the list `extern`, so that a user's unit compiles only the thin front
 // of a call (views, the checks of the rank-4 and matrix overloads) and calls into the
 // library. A combination outside the list still works: it compiles inline, as header-only.
-// The sources are the same either way, so are the results, bit for bit (tests/test_compiled.cpp).
+// The sources are the same either way, so are the results, bit for bit (tests/same_bits/).
 //
 // Storage combinations (q, k and v, out; the arithmetic in float for 16-bit storage):
 //   float; double; half and bfloat16 K/V with float q and out; half and bfloat16 everywhere;
-//   half and bfloat16 q, k, v with float out.
+//   half and bfloat16 q, k, v with float out; for decoding and KVCache, q8_0 and q4_0 K and V
+//   (any pair), half K with q8_0 or q4_0 V and q8_0 K with half V (llama.cpp's users are told to
+//   keep K the more precise).
 //
 // Each list is an X-macro: X(...) receives one function template specialization (as the
 // expression that names it) or, for the _CLASSES lists, one class template specialization.
@@ -37,6 +39,9 @@
   X(NS::flash_tile<float, attn::BlockQ8_0, attn::BlockQ4_0>)   \
   X(NS::flash_tile<float, attn::BlockQ4_0, attn::BlockQ8_0>)   \
   X(NS::flash_tile<float, attn::BlockQ4_0, attn::BlockQ4_0>)   \
+  X(NS::flash_tile<float, Eigen::half, attn::BlockQ8_0>)       \
+  X(NS::flash_tile<float, Eigen::half, attn::BlockQ4_0>)       \
+  X(NS::flash_tile<float, attn::BlockQ8_0, Eigen::half>)       \
   X(NS::decode_split<float, float, float>)                     \
   X(NS::decode_split<float, Eigen::half, Eigen::half>)         \
   X(NS::decode_split<float, Eigen::bfloat16, Eigen::bfloat16>) \
@@ -44,6 +49,9 @@
   X(NS::decode_split<float, attn::BlockQ8_0, attn::BlockQ4_0>) \
   X(NS::decode_split<float, attn::BlockQ4_0, attn::BlockQ8_0>) \
   X(NS::decode_split<float, attn::BlockQ4_0, attn::BlockQ4_0>) \
+  X(NS::decode_split<float, Eigen::half, attn::BlockQ8_0>)     \
+  X(NS::decode_split<float, Eigen::half, attn::BlockQ4_0>)     \
+  X(NS::decode_split<float, attn::BlockQ8_0, Eigen::half>)     \
   X(NS::merge_splits<float>)                                   \
   X(NS::backward_key_tile<float>)                              \
   X(NS::rope_rows<float, float>)                               \
@@ -63,13 +71,17 @@
   X(attn::detail::avx512_vnni::decode_split_int8<float, attn::BlockQ8_0, attn::BlockQ4_0>) \
   X(attn::detail::avx512_vnni::decode_split_int8<float, attn::BlockQ4_0, attn::BlockQ8_0>) \
   X(attn::detail::avx512_vnni::decode_split_int8<float, attn::BlockQ4_0, attn::BlockQ4_0>) \
+  X(attn::detail::avx512_vnni::decode_split_int8<float, attn::BlockQ8_0, Eigen::half>)     \
   X(attn::detail::avx512_vnni::flash_tile_int8<float, float, float>)                       \
   X(attn::detail::avx512_vnni::flash_tile_int8<float, Eigen::half, Eigen::half>)           \
   X(attn::detail::avx512_vnni::flash_tile_int8<float, Eigen::bfloat16, Eigen::bfloat16>)   \
   X(attn::detail::avx512_vnni::flash_tile_int8<float, attn::BlockQ8_0, attn::BlockQ8_0>)   \
   X(attn::detail::avx512_vnni::flash_tile_int8<float, attn::BlockQ8_0, attn::BlockQ4_0>)   \
   X(attn::detail::avx512_vnni::flash_tile_int8<float, attn::BlockQ4_0, attn::BlockQ8_0>)   \
-  X(attn::detail::avx512_vnni::flash_tile_int8<float, attn::BlockQ4_0, attn::BlockQ4_0>)
+  X(attn::detail::avx512_vnni::flash_tile_int8<float, attn::BlockQ4_0, attn::BlockQ4_0>)   \
+  X(attn::detail::avx512_vnni::flash_tile_int8<float, Eigen::half, attn::BlockQ8_0>)       \
+  X(attn::detail::avx512_vnni::flash_tile_int8<float, Eigen::half, attn::BlockQ4_0>)       \
+  X(attn::detail::avx512_vnni::flash_tile_int8<float, attn::BlockQ8_0, Eigen::half>)
 // Of the generic namespace: the same, and double.
 #define ATTN_GENERIC_KERNEL_INSTANCES(X)                         \
   ATTN_VECTOR_KERNEL_INSTANCES(X, attn::detail::generic)         \
@@ -97,7 +109,10 @@
   X(attn::detail::decode_attention<float, attn::BlockQ8_0, attn::BlockQ8_0>) \
   X(attn::detail::decode_attention<float, attn::BlockQ8_0, attn::BlockQ4_0>) \
   X(attn::detail::decode_attention<float, attn::BlockQ4_0, attn::BlockQ8_0>) \
-  X(attn::detail::decode_attention<float, attn::BlockQ4_0, attn::BlockQ4_0>)
+  X(attn::detail::decode_attention<float, attn::BlockQ4_0, attn::BlockQ4_0>) \
+  X(attn::detail::decode_attention<float, Eigen::half, attn::BlockQ8_0>)     \
+  X(attn::detail::decode_attention<float, Eigen::half, attn::BlockQ4_0>)     \
+  X(attn::detail::decode_attention<float, attn::BlockQ8_0, Eigen::half>)
 
 // --- Gradients (attn/attention_backward.hpp, attn/linear_attention.hpp) ---------------------
 #define ATTN_BACKWARD_INSTANCES(X)                      \
@@ -123,7 +138,10 @@
   X(attn::KVCache<Eigen::bfloat16>)                  \
   X(attn::KVCache<attn::BlockQ8_0, attn::BlockQ8_0>) \
   X(attn::KVCache<attn::BlockQ8_0, attn::BlockQ4_0>) \
-  X(attn::KVCache<attn::BlockQ4_0, attn::BlockQ4_0>)
+  X(attn::KVCache<attn::BlockQ4_0, attn::BlockQ4_0>) \
+  X(attn::KVCache<Eigen::half, attn::BlockQ8_0>)     \
+  X(attn::KVCache<Eigen::half, attn::BlockQ4_0>)     \
+  X(attn::KVCache<attn::BlockQ8_0, Eigen::half>)
 #define ATTN_ROPE_CLASSES(X)      \
   X(attn::RotaryEmbedding<float>) \
   X(attn::RotaryEmbedding<double>)
