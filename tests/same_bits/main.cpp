@@ -199,6 +199,26 @@ void linear_attention(std::uint32_t seed) {
   }
 }
 
+/// A KVCache<SK, SV> (quantized blocks, mixed formats), plain and Hadamard-rotated, grown by
+/// appends: a prompt of 17 queries (flash) and a token (decode) attended with fp32 and with
+/// int8 products (ComputePrecision::int8, where the CPU has them).
+template <class SK, class SV>
+void cache(std::uint32_t seed) {
+  for (const auto rotation : {attn::KVRotation::none, attn::KVRotation::hadamard}) {
+    attn::KVCache<SK, SV> kv(2, 2, 64, 32, 8, true, rotation);
+    for (const Index n : {40, 17, 1}) {
+      kv.append(heads<float>(2, 2, n, 64, seed), heads<float>(2, 2, n, 32, seed + 1));
+      const auto q = heads<float>(2, 4, n, 64, seed + 2);
+      for (const auto compute : {attn::ComputePrecision::fp32, attn::ComputePrecision::int8}) {
+        attn::AttentionOptions<float> o;
+        o.compute = compute;
+        mix(kv.attend(q, o));
+      }
+      seed += 3;
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -220,6 +240,11 @@ int main() {
     layers<double>(11);
     linear_attention<float>(12);
     linear_attention<double>(13);
+    cache<attn::BlockQ8_0, attn::BlockQ8_0>(14);
+    cache<attn::BlockQ4_0, attn::BlockQ4_0>(15);
+    cache<attn::BlockQ8_0, attn::BlockQ4_0>(16);
+    cache<Eigen::half, attn::BlockQ8_0>(17);
+    cache<attn::BlockQ8_0, Eigen::half>(18);
     std::printf("%s %016llx\n", attn::isa_name(isa), static_cast<unsigned long long>(hash));
   }
   return 0;
