@@ -26,7 +26,7 @@
 //                          K and V from memory even where the last-level cache could hold
 //                          them between calls, as it cannot in a model's decode step
 //   decode_formats_cold_huge_pages, decode_formats_int8_cold_huge_pages   the same with K and
-//                          V on transparent huge pages (common.hpp's PageAllocator), against
+//                          V on transparent huge pages (common.hpp's HugePagesScope), against
 //                          bandwidth_huge_pages, the streaming probe on huge pages
 //   kv_cache_decode_cold   one query per head against a KVCache of each format (format 0..3)
 //                          through attend_into, Lk = 32768, from memory, the cache's buffers
@@ -275,7 +275,7 @@ double bytes_per_value(Format format) {
 }
 
 /// K and V (B = 1, Hkv, Lk, D) stored in one format: the values as stored, and their views,
-/// on huge pages or not (attn_bench::PageAllocator).
+/// on huge pages or not (the caches' allocator, attn_bench::PageVector).
 struct StoredKV {
   template <class T>
   using Stored = attn_bench::PageVector<T>;
@@ -285,11 +285,8 @@ struct StoredKV {
   Stored<attn::BlockQ4_0> q4_0;
 
   /// Stores x in `format` and replaces x with the values the format reads back.
-  StoredKV(std::vector<float>& x, Format format, bool huge_pages = false)
-      : f32(attn_bench::PageAllocator<float>(huge_pages)),
-        f16(attn_bench::PageAllocator<Eigen::half>(huge_pages)),
-        q8_0(attn_bench::PageAllocator<attn::BlockQ8_0>(huge_pages)),
-        q4_0(attn_bench::PageAllocator<attn::BlockQ4_0>(huge_pages)) {
+  StoredKV(std::vector<float>& x, Format format, bool huge_pages = false) {
+    const attn_bench::HugePagesScope pages(huge_pages);
     const auto n = static_cast<Index>(x.size());
     switch (format) {
       case Format::f32:
@@ -448,10 +445,10 @@ void kv_cache_decode(benchmark::State& state, const std::vector<float>& k,
   std::vector<float> q(static_cast<std::size_t>(q_heads * dim)), out(q.size());
   attn_bench::fill_normal(q, 1u);
   const double resident_before = resident_bytes();
-  const bool was_on = attn::cache_huge_pages();
-  attn::set_cache_huge_pages(huge);
-  attn::KVCache<S> cache(1, kv_heads, dim, dim, k_length);
-  attn::set_cache_huge_pages(was_on);
+  auto cache = [&] {
+    const attn_bench::HugePagesScope pages(huge);
+    return attn::KVCache<S>(1, kv_heads, dim, dim, k_length);
+  }();
   cache.append(
       attn::bhld_view(static_cast<const float*>(k.data()), Index(1), kv_heads, k_length, dim),
       attn::bhld_view(static_cast<const float*>(v.data()), Index(1), kv_heads, k_length, dim));

@@ -29,7 +29,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <new>
 #include <random>
 #include <string>
 #include <utility>
@@ -37,13 +36,10 @@
 
 #include <Eigen/Core>
 
+#include <attn/cache/huge_pages.hpp>
 #include <attn/config.hpp>
 #include <attn/cpu.hpp>
 #include <attn/kernels/simd/target.hpp>
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 namespace attn_bench {
 
@@ -79,63 +75,33 @@ void fill_normal(std::vector<float, Allocator>& values, unsigned seed) {
   }
 }
 
-/// Memory for the large arrays of a benchmark: with `huge_pages`, blocks of 2 MiB and more
-/// are 2 MiB-aligned and marked for transparent huge pages before their first touch (Linux
-/// madvise(MADV_HUGEPAGE): a hint, 4 KiB pages where the system has THP off); without, or
-/// elsewhere, ordinary memory. Each 4 KiB page of a stream costs a TLB miss, and in a VM a
-/// two-level page walk.
+/// Memory for the large arrays of a benchmark: the buffers of attn's caches
+/// (attn/cache/huge_pages.hpp), so a benchmark's K, V and probe array sit on the pages a
+/// cache's would. Blocks of 2 MiB and more are 2 MiB-aligned mappings, marked for transparent
+/// huge pages if the switch is on when they are allocated (see HugePagesScope).
 template <class T>
-struct PageAllocator {
-  using value_type = T;
-  static constexpr std::size_t huge_page = std::size_t{2} << 20;
-  bool huge_pages = false;
+using PageVector = attn::detail::CacheBuffer<T>;
 
-  PageAllocator() = default;
-  explicit PageAllocator(bool huge) : huge_pages(huge) {}
-  template <class U>
-  PageAllocator(const PageAllocator<U>& other) : huge_pages(other.huge_pages) {}  // NOLINT
+/// Sets attn's cache huge-page switch for one scope and restores it after: the buffers
+/// allocated inside are on huge pages if `on`, on 4 KiB pages if not.
+class HugePagesScope {
+ public:
+  explicit HugePagesScope(bool on) : was_on_(attn::cache_huge_pages()) {
+    attn::set_cache_huge_pages(on);
+  }
+  ~HugePagesScope() { attn::set_cache_huge_pages(was_on_); }
+  HugePagesScope(const HugePagesScope&) = delete;
+  HugePagesScope& operator=(const HugePagesScope&) = delete;
+  HugePagesScope(HugePagesScope&&) = delete;
+  HugePagesScope& operator=(HugePagesScope&&) = delete;
 
-  bool on_huge_pages(std::size_t n) const {
-#if defined(__linux__)
-    return huge_pages && n * sizeof(T) >= huge_page;
-#else
-    return false;
-#endif
-  }
-  T* allocate(std::size_t n) {
-#if defined(__linux__)
-    if (on_huge_pages(n)) {
-      const std::size_t bytes = (n * sizeof(T) + huge_page - 1) / huge_page * huge_page;
-      void* block = std::aligned_alloc(huge_page, bytes);
-      if (block == nullptr)
-        throw std::bad_alloc();
-      madvise(block, bytes, MADV_HUGEPAGE);
-      return static_cast<T*>(block);
-    }
-#endif
-    return static_cast<T*>(::operator new (n * sizeof(T), std::align_val_t{64}));
-  }
-  void deallocate(T* block, std::size_t n) {
-    if (on_huge_pages(n))
-      std::free(block);  // NOLINT(cppcoreguidelines-no-malloc): aligned_alloc's block
-    else
-      ::operator delete (block, std::align_val_t{64});
-  }
+ private:
+  bool was_on_;
 };
-template <class T, class U>
-bool operator==(const PageAllocator<T>& a, const PageAllocator<U>& b) {
-  return a.huge_pages == b.huge_pages;
-}
-template <class T, class U>
-bool operator!=(const PageAllocator<T>& a, const PageAllocator<U>& b) {
-  return !(a == b);
-}
-template <class T>
-using PageVector = std::vector<T, PageAllocator<T>>;
 
 /// The streaming probe (arg: threads): a 512 MiB float array summed, one pass an iteration
 /// (4 MiB under ATTN_BENCH_SMOKE); its "bytes" rate is the ceiling of memory-bound calls.
-/// BM_bandwidth_huge_pages: the same array on huge pages (PageAllocator).
+/// BM_bandwidth_huge_pages: the same array on huge pages (HugePagesScope).
 /// Floats of the streaming probe's array and of evict_caches' buffer: 512 MiB (4 MiB under
 /// smoke()).
 inline std::size_t streaming_floats() {
@@ -146,8 +112,12 @@ inline void streaming_probe(benchmark::State& state, bool huge_pages) {
   const int threads = static_cast<int>(state.range(0));
   set_threads(threads);
   const std::size_t n = streaming_floats();
-  PageVector<float> data(n, 0.0f, PageAllocator<float>(huge_pages));
-  fill_normal(data, 3u);
+  const PageVector<float> data = [&] {
+    const HugePagesScope pages(huge_pages);
+    PageVector<float> filled(n);
+    fill_normal(filled, 3u);
+    return filled;
+  }();
   const auto length = static_cast<std::int64_t>(n);
   for (auto _ : state) {
     double total = 0;

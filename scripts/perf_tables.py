@@ -513,7 +513,7 @@ def pages_table(name, what, rates, formats):
 
 
 def table_decode_huge_pages():
-    """The decode kernel's cold calls with K and V on huge pages (PageAllocator) or not."""
+    """The decode kernel's cold calls with K and V on huge pages (the caches' allocator) or not."""
     _, b = bench("decode_huge_pages.json")
     rates = {huge: {k[1:4]: r for k, r in decode_rates(b, huge).items() if k[0] == 32768 and k[4]}
              for huge in (False, True)}
