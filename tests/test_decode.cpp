@@ -661,3 +661,34 @@ TEST_CASE("forward_incremental with a half cache and its errors", "[kv_cache][mu
                       Contains("needs kdim = vdim = embed_dim and neither add_bias_kv nor "
                                "add_zero_attn"));
 }
+
+TEST_CASE("decode requests q8_0 rows two blocks on into L2 only where they continue in memory",
+          "[decode]") {
+  // (B = 1, Hkv = 2, Lk = 256, D = 64: two q8_0 blocks a row)
+  std::vector<attn::BlockQ8_0> q8(2 * 256 * 2);
+  std::vector<attn::BlockQ4_0> q4(q8.size());
+  std::vector<float> floats(2 * 256 * 64);
+  const auto contiguous =
+      attn::bhld_view(static_cast<const attn::BlockQ8_0*>(q8.data()), attn::Index(1),
+                      attn::Index(2), attn::Index(256), attn::Index(2));
+  // Rows 64..127 of head 1, a block of 64: the rows from 192 on, in memory (also past the
+  // last row: the address of a prefetch, never read).
+  CHECK(attn::detail::far_rows(contiguous, 0, 1, 64, 64) == q8.data() + (256 + 192) * 2);
+  CHECK(attn::detail::far_rows(contiguous, 0, 1, 192, 64) == q8.data() + (256 + 320) * 2);
+  CHECK(attn::detail::far_rows(
+            attn::bhld_view(static_cast<const attn::BlockQ4_0*>(q4.data()), attn::Index(1),
+                            attn::Index(2), attn::Index(256), attn::Index(2)),
+            0, 1, 64, 64) == nullptr);
+  CHECK(attn::detail::far_rows(
+            attn::bhld_view(static_cast<const float*>(floats.data()), attn::Index(1),
+                            attn::Index(2), attn::Index(256), attn::Index(64)),
+            0, 1, 64, 64) == nullptr);
+  // The same rows in pages of 128 (pages 1 and 0 of the pool, in that order): nothing.
+  const attn::Index pages[] = {1, 0};
+  auto paged = contiguous;
+  paged.pages = pages;
+  paged.page_rows = 128;
+  paged.pages_stride = 2;
+  paged.length = 256;
+  CHECK(attn::detail::far_rows(paged, 0, 1, 0, 64) == nullptr);
+}

@@ -21,8 +21,9 @@
 //     count and the merge order is fixed, so results are bitwise identical for any number
 //     of threads;
 //   - reads K and V in S, so a half cache costs half the bandwidth: the vector products
-//     (simd/decode_products.inl) widen each piece of a k or v row in a register and prefetch 32
-//     rows ahead; the generic ones widen blocks of `key_block` rows into the workspace.
+//     (simd/decode_products.inl) widen each piece of a k or v row in a register and prefetch
+//     the next key block's rows; the generic ones widen blocks of `key_block` rows into the
+//     workspace.
 // Accumulation (scores, softmax sums, P V) is always in the compute scalar, never in half:
 // a half accumulator has an 11-bit significand, so summing thousands of weights stops
 // growing once the sum reaches 2^11 ulps of the terms (see the long-context test).

@@ -218,7 +218,8 @@ void exp_rows(T* s, Index s_stride, Index rows, Index cols, const T* shift, T* s
 
 template <class T>
 void weighted_sum(const T* p, Index p_stride, Index rows, const T* v, Index v_stride, Index keys,
-                  Index value_dim, const T* alpha, T* acc, Index acc_stride, const T* /*v_ahead*/) {
+                  Index value_dim, const T* alpha, T* acc, Index acc_stride, const T* /*v_ahead*/,
+                  const T* /*v_far*/) {
   const ConstRowsMap<T> v_block(v, keys, value_dim, Eigen::OuterStride<>(v_stride));
   for (Index r = 0; r < rows; ++r) {
     RowsMap<T> acc_row(acc + r * acc_stride, 1, value_dim, Eigen::OuterStride<>(acc_stride));

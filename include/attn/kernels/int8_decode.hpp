@@ -262,22 +262,28 @@ struct Int8KeyScores {
   static void scores(const float* /*q_tile*/, Index rows, const Block* k_rows, Index k_stride,
                      Index cols,                           // (cols, D / 32)
                      Index dim, float* s, Index s_stride,  // (rows, cols)
-                     const Block* ahead, Workspace<float>& workspace) {
+                     const Block* ahead, const Block* far, Workspace<float>& workspace) {
     const Index blocks = dim / quantized_block_values;
     const std::int8_t* q = workspace.int8_q.data();
     const float* q_scales = workspace.int8_scales.data();
     const std::int32_t* q_offsets = workspace.int8_offsets.data();
     std::uint8_t* panel = workspace.int8_keys.data();
     float* k_scales = workspace.int8_key_scales.data();
-    const Index row_bytes = blocks * static_cast<Index>(sizeof(Block));
     for (Index j0 = 0; j0 < cols; j0 += panel_keys) {
       const Index keys = std::min(panel_keys, cols - j0);
       const Block* k = k_rows + j0 * k_stride;
-      // The rows of the next block, while these are read (decode_products.inl's distance).
-      for (Index j = 0; j < keys; ++j) {
-        const char* next = reinterpret_cast<const char*>(ahead + (j0 + j) * k_stride);
-        for (Index byte = 0; byte < row_bytes; byte += 64)
-          _mm_prefetch(next + byte, _MM_HINT_T0);
+      // The lines of the next block's rows into L1, once each, while these are read
+      // (decode_products.inl's distance), and those `far` on into L2 (far_rows).
+      const auto first_line =
+          reinterpret_cast<std::uintptr_t>(ahead + j0 * k_stride) & ~std::uintptr_t{63};
+      const auto end = reinterpret_cast<std::uintptr_t>(ahead + (j0 + keys) * k_stride);
+      const std::uintptr_t far_offset = far != nullptr ? reinterpret_cast<std::uintptr_t>(far) -
+                                                             reinterpret_cast<std::uintptr_t>(ahead)
+                                                       : 0;
+      for (std::uintptr_t line = first_line; line < end; line += 64) {
+        avx512::prefetch_to_l1(line);
+        if (far != nullptr)
+          avx512::prefetch(line + far_offset);
       }
       pack_panel(k, k_stride, keys, blocks, panel);
       avx512::block_scales(k, k_stride, keys, blocks, k_scales, lanes);

@@ -294,7 +294,7 @@ struct WidenedKeyScores {
   static void scores(const T* q_tile, Index rows,                   // (rows, D)
                      const SK* k_rows, Index k_stride, Index cols,  // (cols, D / units)
                      Index dim, T* s, Index s_stride,               // (rows, cols)
-                     const SK* ahead, Workspace<T>& workspace) {
+                     const SK* ahead, const SK* /*far*/, Workspace<T>& workspace) {
     if constexpr (widens_in_registers || std::is_same_v<SK, T>) {
       dot_scores(q_tile, dim, rows, k_rows, k_stride, cols, dim, s, s_stride, ahead);
     } else {
@@ -369,7 +369,8 @@ void decode_split_with(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
     const SK* k_rows = row_data(k, b, kv_head, c0);
     const SV* v_rows = row_data(v, b, kv_head, c0);
     KeyScores::scores(q_tile, rows, k_rows, k.row_stride, cols, dim, s, s_stride,
-                      rows_after(k, b, kv_head, c0, cols), workspace);
+                      rows_after(k, b, kv_head, c0, cols), far_rows(k, b, kv_head, c0, cols),
+                      workspace);
     if (visibility == TileVisibility::partial || problem.modifies_scores()) {
       for (Index g = 0; g < group; ++g) {
         Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> head_rows(
@@ -384,11 +385,13 @@ void decode_split_with(const HeadsView<const T>& q,   // (B, Hq, Lq, D)
     if constexpr (widens_in_registers || std::is_same_v<SV, T>) {
       weighted_sum(s, s_stride, rows, v_rows, v.row_stride, cols, value_dim,
                    first_block ? nullptr : alpha, acc, value_dim,
-                   values_in_keys ? nullptr : rows_after(v, b, kv_head, c0, cols));
+                   values_in_keys ? nullptr : rows_after(v, b, kv_head, c0, cols),
+                   values_in_keys ? nullptr : far_rows(v, b, kv_head, c0, cols));
     } else {
       widen_rows(v_rows, v.row_stride, cols, value_dim, workspace.v.data());
       weighted_sum(s, s_stride, rows, workspace.v.data(), value_dim, cols, value_dim,
-                   first_block ? nullptr : alpha, acc, value_dim, workspace.v.data());
+                   first_block ? nullptr : alpha, acc, value_dim, workspace.v.data(),
+                   static_cast<const T*>(nullptr));
     }
     first_block = false;
   }

@@ -18,6 +18,8 @@
 // next block is requested once: by the first group of query rows that passes over a row (or a
 // slab of a row), not again by the others (`Prefetch`), and not at all for V when V's rows lie
 // in K's (MLA's latent cache, attn/latent_cache.hpp: the keys' prefetches brought them).
+// q8_0 rows of a cache without pages are also requested into L2 two blocks on (`far`,
+// far_rows in online_softmax.inl): their arithmetic leaves too few requests in flight.
 //
 // Order of the loops: with many query rows (G * Lq = 16 for MLA, 576-value keys) a block of
 // keys is 147 KB of float, beyond L1. The scores take the keys in chunks of decode_chunk_keys
@@ -28,11 +30,12 @@
 // prefetches once 1.1x more). Every sum is formed by the same operations in the same order
 // as with the row groups outermost, so the results are the same bits.
 
+/// Requests unit `offset` of `row`: quantized rows into L1 unless `far` (then L2), others L2.
 template <class S>
-inline void prefetch_element(const S* row, Index offset) {
+inline void prefetch_element(const S* row, Index offset, bool far = false) {
   const std::uintptr_t address =
       reinterpret_cast<std::uintptr_t>(row) + static_cast<std::uintptr_t>(offset) * sizeof(S);
-  if constexpr (is_quantized_v<S>)
+  if (is_quantized_v<S> && !far)
     prefetch_to_l1(address);
   else
     prefetch(address);
@@ -70,7 +73,8 @@ struct ScaledBlock {
   float scale;
 };
 
-/// The reader of q8_0 and q4_0 rows: `column` is a multiple of 32.
+/// The reader of q8_0 and q4_0 rows: `column` is a multiple of 32. Besides the next block's
+/// rows into L1, prefetch(j, d) requests those at `far` (decode_far_blocks on, or null) into L2.
 template <class Block>
 struct BlockRowReader {
   static constexpr int step = static_cast<int>(quantized_block_values / lanes);
@@ -79,6 +83,7 @@ struct BlockRowReader {
   Index stride;  // blocks
   const Block* ahead;
   Index column = 0;
+  const Block* far = nullptr;
 
   /// The block holding values [column + d, column + d + 32) of row j.
   const Block* block(Index j, Index d) const {
@@ -97,11 +102,20 @@ struct BlockRowReader {
   }
   /// d q: exact in float (q has at most 8 significant bits, d 11).
   static vec load(const Piece& p, int i) { return mul(load_integers(p.block, i), set1(p.scale)); }
+  /// (q8_0 only: q4_0 decode, bound by its arithmetic, ran 1.06x slower for the test alone)
+  static constexpr bool has_far = std::is_same_v<Block, BlockQ8_0>;
+
   void prefetch(Index j, Index d) const {
-    prefetch_element(ahead, j * stride + (column + d) / quantized_block_values);
+    const Index unit = j * stride + (column + d) / quantized_block_values;
+    prefetch_element(ahead, unit);
+    if constexpr (has_far) {
+      if (far != nullptr)
+        prefetch_element(far, unit, true);
+    }
   }
   RowReader<Block> at(Index j, Index e) const {
-    return {{rows + j * stride, stride, ahead + j * stride, column + e}};
+    return {{rows + j * stride, stride, ahead + j * stride, column + e,
+             has_far && far != nullptr ? far + j * stride : nullptr}};
   }
 };
 
@@ -131,9 +145,9 @@ inline void widen(const BlockQ4_0* src, float* dst, Index n) {
 
 /// The reader of `rows`, `stride` S apart, prefetching the rows at `ahead`.
 template <class S>
-RowReader<S> reader_of(const S* rows, Index stride, const S* ahead) {
+RowReader<S> reader_of(const S* rows, Index stride, const S* ahead, const S* far = nullptr) {
   if constexpr (is_quantized_v<S>)
-    return {{rows, stride, ahead}};
+    return {{rows, stride, ahead, 0, far}};
   else
     return {rows, stride, ahead};
 }
@@ -566,10 +580,11 @@ inline void weighted_sum(const float* p, Index p_stride, Index rows,  // (rows, 
                          const S* v, Index v_stride, Index keys,      // (keys, Dv)
                          Index value_dim, const float* alpha,         // (rows) or null
                          float* acc, Index acc_stride,                // (rows, Dv)
-                         const S* v_ahead) {  // the next block's rows, to prefetch, or null
+                         const S* v_ahead,  // the next block's rows, to prefetch, or null
+                         const S* v_far) {  // rows further on, for L2 (BlockRowReader), or null
   const bool first = alpha == nullptr;
   const Index vector_dim = value_dim / lanes * lanes;
-  const RowReader<S> v_rows = reader_of(v, v_stride, v_ahead != nullptr ? v_ahead : v);
+  const RowReader<S> v_rows = reader_of(v, v_stride, v_ahead != nullptr ? v_ahead : v, v_far);
   const Index slab = decode_slab_vectors<S> * lanes;
   for (Index e = 0; e < vector_dim; e += slab) {
     weighted_sum_slab(p, p_stride, rows, v_rows.at(0, e), keys, std::min(slab, vector_dim - e),
