@@ -26,7 +26,7 @@
 //                          K and V from memory even where the last-level cache could hold
 //                          them between calls, as it cannot in a model's decode step
 //   decode_formats_cold_huge_pages, decode_formats_int8_cold_huge_pages   the same with K and
-//                          V on transparent huge pages (common.hpp's HugePagesScope), against
+//                          V on transparent huge pages (attn::CacheHugePagesScope), against
 //                          bandwidth_huge_pages, the streaming probe on huge pages
 //   kv_cache_decode_cold   one query per head against a KVCache of each format (format 0..3)
 //                          through attend_into, Lk = 32768, from memory, the cache's buffers
@@ -286,7 +286,7 @@ struct StoredKV {
 
   /// Stores x in `format` and replaces x with the values the format reads back.
   StoredKV(std::vector<float>& x, Format format, bool huge_pages = false) {
-    const attn_bench::HugePagesScope pages(huge_pages);
+    const attn::CacheHugePagesScope pages(huge_pages);
     const auto n = static_cast<Index>(x.size());
     switch (format) {
       case Format::f32:
@@ -446,7 +446,7 @@ void kv_cache_decode(benchmark::State& state, const std::vector<float>& k,
   attn_bench::fill_normal(q, 1u);
   const double resident_before = resident_bytes();
   auto cache = [&] {
-    const attn_bench::HugePagesScope pages(huge);
+    const attn::CacheHugePagesScope pages(huge);
     return attn::KVCache<S>(1, kv_heads, dim, dim, k_length);
   }();
   cache.append(

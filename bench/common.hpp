@@ -78,30 +78,13 @@ void fill_normal(std::vector<float, Allocator>& values, unsigned seed) {
 /// Memory for the large arrays of a benchmark: the buffers of attn's caches
 /// (attn/cache/huge_pages.hpp), so a benchmark's K, V and probe array sit on the pages a
 /// cache's would. Blocks of 2 MiB and more are 2 MiB-aligned mappings, marked for transparent
-/// huge pages if the switch is on when they are allocated (see HugePagesScope).
+/// huge pages if the switch is on when they are allocated (attn::CacheHugePagesScope).
 template <class T>
 using PageVector = attn::detail::CacheBuffer<T>;
 
-/// Sets attn's cache huge-page switch for one scope and restores it after: the buffers
-/// allocated inside are on huge pages if `on`, on 4 KiB pages if not.
-class HugePagesScope {
- public:
-  explicit HugePagesScope(bool on) : was_on_(attn::cache_huge_pages()) {
-    attn::set_cache_huge_pages(on);
-  }
-  ~HugePagesScope() { attn::set_cache_huge_pages(was_on_); }
-  HugePagesScope(const HugePagesScope&) = delete;
-  HugePagesScope& operator=(const HugePagesScope&) = delete;
-  HugePagesScope(HugePagesScope&&) = delete;
-  HugePagesScope& operator=(HugePagesScope&&) = delete;
-
- private:
-  bool was_on_;
-};
-
 /// The streaming probe (arg: threads): a 512 MiB float array summed, one pass an iteration
 /// (4 MiB under ATTN_BENCH_SMOKE); its "bytes" rate is the ceiling of memory-bound calls.
-/// BM_bandwidth_huge_pages: the same array on huge pages (HugePagesScope).
+/// BM_bandwidth_huge_pages: the same array on huge pages (attn::CacheHugePagesScope).
 /// Floats of the streaming probe's array and of evict_caches' buffer: 512 MiB (4 MiB under
 /// smoke()).
 inline std::size_t streaming_floats() {
@@ -113,7 +96,7 @@ inline void streaming_probe(benchmark::State& state, bool huge_pages) {
   set_threads(threads);
   const std::size_t n = streaming_floats();
   const PageVector<float> data = [&] {
-    const HugePagesScope pages(huge_pages);
+    const attn::CacheHugePagesScope pages(huge_pages);
     PageVector<float> filled(n);
     fill_normal(filled, 3u);
     return filled;

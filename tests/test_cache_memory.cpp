@@ -84,15 +84,6 @@ bool kernel_has_thp() {
   return std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled").good();
 }
 
-/// Sets the switch for a test and restores it after, whatever happens.
-struct HugePagesSetting {
-  bool saved = attn::cache_huge_pages();
-  explicit HugePagesSetting(bool on) { attn::set_cache_huge_pages(on); }
-  HugePagesSetting(const HugePagesSetting&) = delete;
-  HugePagesSetting& operator=(const HugePagesSetting&) = delete;
-  ~HugePagesSetting() { attn::set_cache_huge_pages(saved); }
-};
-
 bool on_huge_page_boundary(const void* p) {
   return reinterpret_cast<std::uintptr_t>(p) % huge_page == 0;
 }
@@ -112,7 +103,7 @@ std::vector<float> random_values(Index count, unsigned seed) {
 TEST_CASE("cache buffers of 2 MiB or more are mappings of their own, advised as huge pages",
           "[cache_memory]") {
   REQUIRE(kernel_has_thp());  // (Debian's kernels have them: a machine without is news)
-  const HugePagesSetting on(true);
+  const attn::CacheHugePagesScope on(true);
 
   SECTION("KVCache: keys and values, as allocated and as grown") {
     // 2 kv heads x 2048 rows x 128 floats = 2 MiB each, q8_0 rows 136 bytes: 4.25 MiB each
@@ -146,10 +137,25 @@ TEST_CASE("cache buffers of 2 MiB or more are mappings of their own, advised as 
   }
 }
 
+TEST_CASE("CacheHugePagesScope sets the switch for its scope and restores it after",
+          "[cache_memory]") {
+  const bool initial = attn::cache_huge_pages();
+  for (const bool outer : {false, true}) {
+    const attn::CacheHugePagesScope first(outer);
+    CHECK(attn::cache_huge_pages() == outer);
+    {
+      const attn::CacheHugePagesScope second(!outer);
+      CHECK(attn::cache_huge_pages() == !outer);
+    }
+    CHECK(attn::cache_huge_pages() == outer);
+  }
+  CHECK(attn::cache_huge_pages() == initial);
+}
+
 TEST_CASE("cache buffers are not advised while the switch is off, nor when small",
           "[cache_memory]") {
   SECTION("switch off") {
-    const HugePagesSetting off(false);
+    const attn::CacheHugePagesScope off(false);
     CHECK_FALSE(attn::cache_huge_pages());
     const std::uintptr_t before = advised_bytes();
     const attn::KVCache<float> cache(1, 2, 128, 128, 2048);
@@ -160,7 +166,7 @@ TEST_CASE("cache buffers are not advised while the switch is off, nor when small
     CHECK(advised_bytes() == before);
   }
   SECTION("small buffers, switch on") {
-    const HugePagesSetting on(true);
+    const attn::CacheHugePagesScope on(true);
     const std::uintptr_t before = advised_bytes();
     // 1 x 2 x 2047 x 128 floats: 4 KiB short of 2 MiB
     const attn::KVCache<float> cache(1, 2, 128, 128, 2047);
@@ -189,7 +195,7 @@ TEST_CASE("attention over a cache reads the same bits on huge and on small pages
   const auto v = attn::bhld_view(values.data(), Index(1), heads, length, dim);
   const auto q = attn::bhld_view(queries.data(), Index(1), q_heads, Index(1), dim);
   const auto attend = [&](bool huge) {
-    const HugePagesSetting setting(huge);
+    const attn::CacheHugePagesScope setting(huge);
     attn::KVCache<attn::BlockQ8_0> cache(1, heads, dim, dim, length);  // 2.1 MiB each
     cache.append(k, v);
     CHECK(mapping_of(cache.keys_view().data).advised() == huge);

@@ -16,9 +16,10 @@
 // last whole 2 MiB stays on small pages. A buffer of 2 MiB or more is a mapping of its own,
 // returned to the system when the cache frees it.
 //
-// On by default; ATTN_CACHE_HUGE_PAGES=0 in the environment, or set_cache_huge_pages(false),
-// turns it off for the buffers allocated afterwards (for instance where the kernel's
-// "defrag" setting makes a huge-page fault wait for compaction).
+// On by default; ATTN_CACHE_HUGE_PAGES=0 in the environment, or set_cache_huge_pages(false)
+// (CacheHugePagesScope for one scope), turns it off for the buffers allocated afterwards
+// (for instance where the kernel's "defrag" setting makes a huge-page fault wait for
+// compaction).
 #pragma once
 
 #include <atomic>
@@ -60,6 +61,22 @@ inline bool cache_huge_pages() {
 inline void set_cache_huge_pages(bool on) {
   detail::cache_huge_pages_switch().store(on, std::memory_order_relaxed);
 }
+
+/// Sets the huge-page request of cache buffers for one scope and restores the previous
+/// setting when the scope ends, however it ends: the buffers allocated inside ask for huge
+/// pages if `on`.
+class CacheHugePagesScope {
+ public:
+  explicit CacheHugePagesScope(bool on) : was_on_(cache_huge_pages()) { set_cache_huge_pages(on); }
+  ~CacheHugePagesScope() { set_cache_huge_pages(was_on_); }
+  CacheHugePagesScope(const CacheHugePagesScope&) = delete;
+  CacheHugePagesScope& operator=(const CacheHugePagesScope&) = delete;
+  CacheHugePagesScope(CacheHugePagesScope&&) = delete;
+  CacheHugePagesScope& operator=(CacheHugePagesScope&&) = delete;
+
+ private:
+  bool was_on_;
+};
 
 namespace detail {
 
