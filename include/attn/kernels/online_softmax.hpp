@@ -27,18 +27,14 @@
 
 namespace attn::detail {
 
-/// Blocks between the rows decode reads and those it also requests into L2 (`far_rows`).
-inline constexpr Index decode_far_blocks = 2;
-
 /// The rows `decode_far_blocks` blocks of `count` rows after `row`, which decode requests into
-/// L2 besides the next block's into L1, for q8_0 rows of a view without pages; null otherwise
-/// (a paged cache's rows that far on may lie on any page; float and 16-bit rows go to L2 a
-/// block ahead already; q4_0 decode, bound by its arithmetic, only paid for the requests). On
-/// the Xeon of docs/performance.md ("Tuning choices") this took q8_0 decode on int8 products
-/// from memory to 0.9x of its time.
+/// L2 besides the next block's into L1, where decode_far_prefetch<S> and the view has no pages
+/// (a paged cache's rows that far on may lie on any page); null otherwise. On the Xeon of
+/// docs/performance.md ("Tuning choices") this took q8_0 decode on int8 products from memory
+/// to 0.9x of its time.
 template <class S>
 const S* far_rows(const HeadsView<const S>& x, Index b, Index h, Index row, Index count) {
-  if constexpr (std::is_same_v<S, BlockQ8_0>)
+  if constexpr (decode_far_prefetch<S>)
     return x.pages == nullptr ? rows_after(x, b, h, row, decode_far_blocks * count) : nullptr;
   else
     return nullptr;
