@@ -480,6 +480,50 @@ def table_stream_compute():
     return lines
 
 
+def table_decode_phases():
+    """Decode's phases on one key block from L1 (bench_decode_phases): ns per key for one query
+    row and for four (GQA 32/8), per instruction set and K/V format, and their sum."""
+    _, b = bench("decode_phases.json")
+    ns = {}  # (phase, isa, rows, format): ns per key
+    for name, e in b.items():
+        m = re.match(r"decode_phase_(scores|softmax|values)(_int8)?(?:/(\w+))?/rows:(\d)/format:(\d)$",
+                     name)
+        if m:
+            phase, int8, isa = m.group(1), bool(m.group(2)), m.group(3) or "avx512"
+            fmt = FORMATS[int(m.group(5))] + (" int8" if int8 else "")
+            ns[(phase, isa, int(m.group(4)), fmt)] = e["ns_per_key"]
+    peaks = {name.split("/")[0]: e for name, e in b.items()
+             if re.match(r"(fma|int8_dot)_peak/threads:1", name)}
+    probes = ", ".join(f"`fma_peak` {e['FLOPS'] / 1e9:.0f} GFLOP/s" if "FLOPS" in e else
+                       f"`int8_dot_peak` {e['OPS'] / 1e9:.0f} G int8 operations/s (two a "
+                       "multiply-add)" for _, e in sorted(peaks.items()))
+    lines = source("decode_phases.json",
+                   probes="nanoseconds per key of a 64-key block of K and V read from L1, D = 128, "
+                   "one thread, for one query row / four (G = 4, GQA 32/8); \"int8\": the scores "
+                   "on int8 products; \"a key in all\": the sum of the three phases; the "
+                   f"probes of the same run, one thread: {probes}")
+    lines += ["| instruction set | K/V | scores | softmax | P V | a key in all |",
+              "|---|---|---|---|---|---|"]
+    isas = [isa for isa in ("avx2", "avx512") if ("softmax", isa, 1, "float") in ns]
+    for isa in isas:
+        for fmt in FORMATS + ["q8_0 int8", "q4_0 int8"]:
+            values_fmt = fmt.replace(" int8", "")
+            if ("scores", isa, 1, fmt) not in ns:
+                continue
+            cells = []
+            totals = []
+            for rows in (1, 4):
+                parts = (ns[("scores", isa, rows, fmt)], ns[("softmax", isa, rows, "float")],
+                         ns[("values", isa, rows, values_fmt)])
+                cells.append(parts)
+                totals.append(sum(parts))
+            row = [f"{cells[0][i]:.2f} / {cells[1][i]:.2f}" for i in range(3)]
+            label = "avx512_vnni" if fmt.endswith("int8") else isa
+            lines.append(f"| {label} | {fmt} | " + " | ".join(row)
+                         + f" | {totals[0]:.2f} / {totals[1]:.2f} |")
+    return lines
+
+
 def pages_table(name, what, rates, formats):
     """The lines of a table of cold decode on 4 KiB pages against the probe on 4 KiB pages and
     on huge pages against the probe on huge pages, from one run (results/<name>), and how much
@@ -1025,6 +1069,7 @@ TABLES = {
     "decode-formats-cold": table_decode_formats_cold,
     "stream-compute": table_stream_compute,
     "decode-huge-pages": table_decode_huge_pages,
+    "decode-phases": table_decode_phases,
     "kv-cache-pages": table_kv_cache_pages,
     "prefill-formats": table_prefill_formats,
     "prefill-formats-int8": table_prefill_formats_int8,
