@@ -106,7 +106,7 @@ void BM_sdpa(benchmark::State& state, attn::Algorithm algorithm, std::size_t fir
     const float worst =
         attn_bench::max_abs_diff(reference.data(), inputs.out.data(), reference.size());
     if (!(worst < 1e-4f)) {
-      state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
+      attn_bench::fail_check(state, ("differs from naive by " + std::to_string(worst)));
       return;
     }
   }
@@ -132,7 +132,7 @@ void BM_flash_tiles(benchmark::State& state) {
   const float worst =
       attn_bench::max_abs_diff(reference.data(), inputs.out.data(), reference.size());
   if (!(worst < 1e-4f)) {
-    state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
+    attn_bench::fail_check(state, ("differs from naive by " + std::to_string(worst)));
     return;
   }
   time_runs(state, run, inputs, attention_flops(length, dim, causal));
@@ -171,7 +171,7 @@ void BM_flash_kv16(benchmark::State& state) {
   inputs.run(attn::Algorithm::flash, causal, reference);
   run();
   if (reference != inputs.out) {
-    state.SkipWithError("16-bit k/v result differs from float flash on the same values");
+    attn_bench::fail_check(state, "16-bit k/v result differs from float flash on the same values");
     return;
   }
   time_runs(state, run, inputs, attention_flops(length, dim, causal));
@@ -216,7 +216,7 @@ void BM_flash_bf16(benchmark::State& state, attn::ComputePrecision compute) {
   const float worst =
       attn_bench::max_abs_diff(reference.data(), inputs.out.data(), reference.size());
   if (!(worst <= largest / 64)) {
-    state.SkipWithError(("differs from the fp32 path by " + std::to_string(worst)).c_str());
+    attn_bench::fail_check(state, ("differs from the fp32 path by " + std::to_string(worst)));
     return;
   }
   const auto shape = attn::AttentionShape{1,   kHeads, kHeads, length, length, dim,
@@ -256,9 +256,8 @@ void BM_flash_int8(benchmark::State& state) {
     size += std::abs(static_cast<double>(reference[i]));
   }
   if (!(difference <= size / 32)) {
-    state.SkipWithError(
-        ("differs from the fp32 path by " + std::to_string(difference / size) + " relative L1")
-            .c_str());
+    attn_bench::fail_check(state, ("differs from the fp32 path by " +
+                                   std::to_string(difference / size) + " relative L1"));
     return;
   }
   const auto shape =
@@ -318,7 +317,8 @@ void BM_linear(benchmark::State& state) {
       }
     }
     if (!(worst < 1e-4f)) {
-      state.SkipWithError(("differs from the quadratic form by " + std::to_string(worst)).c_str());
+      attn_bench::fail_check(state,
+                             ("differs from the quadratic form by " + std::to_string(worst)));
       return;
     }
   }

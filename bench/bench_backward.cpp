@@ -112,7 +112,7 @@ bool prepare(benchmark::State& state, Index dim, bool causal, Index threads,
              attn::AttentionOptions<float>& options) {
   set_threads(static_cast<int>(threads));
   if (const std::string problem = check_flash_backward(dim); !problem.empty()) {
-    state.SkipWithError(problem.c_str());
+    attn_bench::fail_check(state, problem);
     return false;
   }
   options.causal = causal ? attn::Causal::top_left : attn::Causal::none;
@@ -224,7 +224,7 @@ void BM_bf16_speedup(benchmark::State& state) {
   if (!prepare(state, dim, causal, state.range(4), options))
     return;
   if (const std::string problem = check_bf16_backward(dim); !problem.empty()) {
-    state.SkipWithError(problem.c_str());
+    attn_bench::fail_check(state, problem);
     return;
   }
   Problem p(length, dim);

@@ -159,7 +159,7 @@ void BM_decode(benchmark::State& state) {
   run(out, kernel);
   const float worst = attn_bench::max_abs_diff(out.data(), reference.data(), out.size());
   if (!(worst < 1e-4f)) {
-    state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
+    attn_bench::fail_check(state, ("differs from naive by " + std::to_string(worst)));
     return;
   }
   for (auto _ : state) {
@@ -378,7 +378,7 @@ void decode_format(benchmark::State& state, bool int8, bool cold, bool huge_page
   run();
   const float worst = attn_bench::max_abs_diff(out.data(), reference.data(), out.size());
   if (!(worst < (int8 ? 5e-3f : 1e-4f))) {
-    state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
+    attn_bench::fail_check(state, ("differs from naive by " + std::to_string(worst)));
     return;
   }
   for (auto _ : state) {
@@ -534,7 +534,7 @@ void prefill_from_cache(benchmark::State& state, std::vector<float>& k, std::vec
   cache.attend_into(qv, out_view, options);
   const float worst = attn_bench::max_abs_diff(out.data(), reference.data(), out.size());
   if (!(worst < (int8 ? 5e-3f : 1e-4f))) {  // int8: the query's quantization too
-    state.SkipWithError(("differs from naive by " + std::to_string(worst)).c_str());
+    attn_bench::fail_check(state, ("differs from naive by " + std::to_string(worst)));
     return;
   }
   for (auto _ : state) {

@@ -138,7 +138,7 @@ void BM_scores(benchmark::State& state) {
   std::vector<float> s(static_cast<std::size_t>(rows * block_keys));
   Phases::scores(q.data(), rows, k.rows.data(), k.stride, s.data());
   if (relative_error(s.data(), reference_scores(q, rows, k.values)) > 1e-5) {
-    state.SkipWithError("scores differ from the double reference");
+    attn_bench::fail_check(state, "scores differ from the double reference");
     return;
   }
   for (auto _ : state) {
@@ -166,7 +166,7 @@ void BM_values(benchmark::State& state) {
     }
   }
   if (relative_error(acc.data(), want) > 1e-5) {
-    state.SkipWithError("the weighted sum differs from the double reference");
+    attn_bench::fail_check(state, "the weighted sum differs from the double reference");
     return;
   }
   for (auto _ : state) {  // alpha = 1: acc grows by the same sum each call
@@ -196,7 +196,7 @@ void BM_softmax(benchmark::State& state) {
     }
   }
   if (relative_error(s.data(), want) > 1e-5) {
-    state.SkipWithError("the exponentials differ from the double reference");
+    attn_bench::fail_check(state, "the exponentials differ from the double reference");
     return;
   }
   for (auto _ : state) {  // (exp of exp: every value stays in [exp(-1), 1])
@@ -225,7 +225,7 @@ void BM_scores_int8(benchmark::State& state) {
   call();
   // The query's quantization error: about 1/254 of its largest value per block.
   if (relative_error(s.data(), reference_scores(q, rows, k.values)) > 2e-2) {
-    state.SkipWithError("int8 scores differ from the double reference");
+    attn_bench::fail_check(state, "int8 scores differ from the double reference");
     return;
   }
   for (auto _ : state) {

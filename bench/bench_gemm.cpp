@@ -104,8 +104,8 @@ void run_gemm(benchmark::State& state, Index rows, Index depth, Index cols, int 
   c.noalias() = a * b;
   const double error = sampled_error(a, b, c);
   if (!(error <= tolerance(depth))) {
-    state.SkipWithError(
-        ("product differs from double dot products by " + std::to_string(error)).c_str());
+    attn_bench::fail_check(
+        state, ("product differs from double dot products by " + std::to_string(error)));
     set_threads(1);
     return;
   }
@@ -150,9 +150,8 @@ void run_attn_gemm(benchmark::State& state, attn::Isa isa, Index rows, Index dep
                           std::max(1.0, static_cast<double>(expected.cwiseAbs().maxCoeff()));
   const double error = sampled_error(a, b, c);
   if (!(error <= tolerance(depth)) || !(to_eigen <= tolerance(depth))) {
-    state.SkipWithError(("product differs from Eigen's by " + std::to_string(to_eigen) +
-                         " and from double dot products by " + std::to_string(error))
-                            .c_str());
+    attn_bench::fail_check(state, ("product differs from Eigen's by " + std::to_string(to_eigen) +
+                                   " and from double dot products by " + std::to_string(error)));
     set_threads(1);
     return;
   }

@@ -117,7 +117,8 @@ void BM_linear(benchmark::State& state) {
   run();  // validate once before timing
   const double worst = validate(inputs, causal);
   if (!(worst < 1e-4)) {
-    state.SkipWithError(("differs from the float64 reference by " + std::to_string(worst)).c_str());
+    attn_bench::fail_check(state,
+                           ("differs from the float64 reference by " + std::to_string(worst)));
     return;
   }
   for (auto _ : state) {
@@ -177,8 +178,8 @@ void BM_linear_backward(benchmark::State& state) {
           worst, ((actual - *wanted).array().abs() / wanted->array().abs().max(1.0)).maxCoeff());
     }
     if (!(worst < 1e-3)) {
-      state.SkipWithError(
-          ("differs from the float64 backward by " + std::to_string(worst)).c_str());
+      attn_bench::fail_check(state,
+                             ("differs from the float64 backward by " + std::to_string(worst)));
       return;
     }
   }
@@ -209,7 +210,7 @@ void BM_flash(benchmark::State& state) {
     benchmark::DoNotOptimize(inputs.out.data());
     benchmark::ClobberMemory();
   }
-  const double ld = static_cast<double>(length);
+  const auto ld = static_cast<double>(length);
   const double pairs = causal ? ld * (ld + 1) / 2 : ld * ld;
   state.counters["FLOPS"] = benchmark::Counter(4.0 * kHeads * pairs * kDim,
                                                benchmark::Counter::kIsIterationInvariantRate);

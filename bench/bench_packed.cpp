@@ -119,7 +119,7 @@ void BM_documents(benchmark::State& state) {
   run();
   const float error = attn_bench::max_abs_diff(out.data(), expected.data(), out.size());
   if (!(error <= 1e-4f)) {
-    state.SkipWithError(("differs from the packed call by " + std::to_string(error)).c_str());
+    attn_bench::fail_check(state, ("differs from the packed call by " + std::to_string(error)));
     return;
   }
   for (auto _ : state) {
@@ -137,7 +137,7 @@ void BM_documents_backward(benchmark::State& state) {
   const Index documents = state.range(1);
   const Index tokens = smoke() ? 512 : 8192, heads = 4, dim = 64;
   const Index per_document = tokens / documents;
-  const std::size_t size = static_cast<std::size_t>(tokens * heads * dim);
+  const auto size = static_cast<std::size_t>(tokens * heads * dim);
   set_threads(1);
   std::vector<float> q(size), k(size), v(size), dout(size), out(size), lse(size / dim);
   std::vector<float> dq(size), dk(size), dv(size), expected_dq(size), expected_dk(size),
@@ -188,8 +188,8 @@ void BM_documents_backward(benchmark::State& state) {
                                 attn_bench::max_abs_diff(dk.data(), expected_dk.data(), size),
                                 attn_bench::max_abs_diff(dv.data(), expected_dv.data(), size)});
   if (!(error <= 1e-4f)) {
-    state.SkipWithError(
-        ("differs from the per-document backward by " + std::to_string(error)).c_str());
+    attn_bench::fail_check(state,
+                           ("differs from the per-document backward by " + std::to_string(error)));
     return;
   }
   for (auto _ : state) {
@@ -251,7 +251,7 @@ void BM_kv_ragged(benchmark::State& state) {
   run();
   const float error = attn_bench::max_abs_diff(out.data(), expected.data(), out.size());
   if (!(error <= 1e-4f)) {
-    state.SkipWithError(("differs from the one-call result by " + std::to_string(error)).c_str());
+    attn_bench::fail_check(state, ("differs from the one-call result by " + std::to_string(error)));
     return;
   }
   for (auto _ : state) {

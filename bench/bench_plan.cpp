@@ -83,9 +83,8 @@ void sweep(benchmark::State& state, attn::Isa isa) {
     run(out, algorithm);
     const float worst = attn_bench::max_abs_diff(out.data(), reference.data(), out.size());
     if (!(worst < 1e-4f)) {
-      state.SkipWithError((std::string(attn::algorithm_name(algorithm)) +
-                           " differs from naive by " + std::to_string(worst))
-                              .c_str());
+      attn_bench::fail_check(state, (std::string(attn::algorithm_name(algorithm)) +
+                                     " differs from naive by " + std::to_string(worst)));
       return;
     }
   }

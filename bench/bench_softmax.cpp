@@ -101,8 +101,8 @@ void BM_softmax_rows(benchmark::State& state) {
   const Mat x = random_logits(rows, cols);
   const double error = softmax_error(x, attn::softmax_rows(x));
   if (!(error <= kTolerance)) {
-    state.SkipWithError(
-        ("softmax_rows differs from the reference by " + std::to_string(error)).c_str());
+    attn_bench::fail_check(state,
+                           ("softmax_rows differs from the reference by " + std::to_string(error)));
     return;
   }
   for (auto _ : state) {
@@ -122,8 +122,8 @@ void BM_softmax_in_place(benchmark::State& state) {
     attn::detail::softmax_in_place(y.row(r).data(), cols);
   const double error = softmax_error(x, y);
   if (!(error <= kTolerance)) {
-    state.SkipWithError(
-        ("softmax_in_place differs from the reference by " + std::to_string(error)).c_str());
+    attn_bench::fail_check(
+        state, ("softmax_in_place differs from the reference by " + std::to_string(error)));
     return;
   }
   // Repeated softmax of rows that are already probabilities: same work per element
@@ -143,8 +143,8 @@ void BM_logsumexp_rows(benchmark::State& state) {
   const Mat x = random_logits(rows, cols);
   const double error = logsumexp_error(x, attn::logsumexp_rows(x));
   if (!(error <= kTolerance)) {
-    state.SkipWithError(
-        ("logsumexp_rows differs from the reference by " + std::to_string(error)).c_str());
+    attn_bench::fail_check(
+        state, ("logsumexp_rows differs from the reference by " + std::to_string(error)));
     return;
   }
   for (auto _ : state) {

@@ -13,7 +13,11 @@
 //                      that reports a fraction of peak registers this same probe, so that
 //                      the ceiling and the figure come from one run and one piece of code.
 //   run(argc, argv, register_benchmarks)  a bench's main: parse Google Benchmark's flags,
-//                      register (after parsing, so smoke() sizes apply), run
+//                      register (after parsing, so smoke() sizes apply), run; 1 if any
+//                      benchmark called fail_check
+//   fail_check(state, what)  skip a benchmark whose result differs from its reference and
+//                      fail the process (and so the smoke test); SkipWithError alone is for
+//                      what this CPU cannot run
 //   register_fma_peak_isas  the same probe per instruction set, "fma_peak_isa/{avx2,avx512}/
 //                      threads:{1,2}", for the dispatched kernels (the CPU's sets only).
 //   register_bf16_dot_peak  the bf16 dot-product probe, "bf16_dot_peak/threads:{1,2}"
@@ -25,9 +29,11 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <string>
@@ -400,6 +406,20 @@ inline void register_fma_peak_isas() {
 
 /// The main of every bench/*.cpp: Google Benchmark's flags first, then the benchmarks
 /// `register_benchmarks()` registers, then the run. Returns main's exit code.
+/// Whether a benchmark's result failed its check (fail_check) in this process.
+inline std::atomic<bool>& check_failed() {
+  static std::atomic<bool> failed{false};
+  return failed;
+}
+
+/// Skips a benchmark whose result failed its check against a reference, and makes run() return
+/// 1, so that the smoke tests fail: a skip alone would pass them. What this CPU cannot run is
+/// skipped with SkipWithError alone.
+inline void fail_check(benchmark::State& state, const std::string& what) {
+  check_failed() = true;
+  state.SkipWithError(what.c_str());
+}
+
 template <class Register>
 int run(int argc, char** argv, const Register& register_benchmarks) {
   benchmark::Initialize(&argc, argv);
@@ -408,6 +428,10 @@ int run(int argc, char** argv, const Register& register_benchmarks) {
   register_benchmarks();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
+  if (check_failed()) {
+    std::fprintf(stderr, "a benchmark's result failed its check (ERROR OCCURRED above)\n");
+    return 1;
+  }
   return 0;
 }
 
