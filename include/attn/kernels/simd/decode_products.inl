@@ -19,7 +19,7 @@
 // slab of a row), not again by the others (`Prefetch`), and not at all for V when V's rows lie
 // in K's (MLA's latent cache, attn/latent_cache.hpp: the keys' prefetches brought them).
 // q8_0 rows of a cache without pages are also requested into L2 two blocks on (`far`,
-// far_rows in online_softmax.inl): their arithmetic leaves too few requests in flight.
+// far_rows in kernels/online_softmax.hpp): their arithmetic leaves too few requests in flight.
 //
 // Order of the loops: with many query rows (G * Lq = 16 for MLA, 576-value keys) a block of
 // keys is 147 KB of float, beyond L1. The scores take the keys in chunks of decode_chunk_keys
