@@ -404,8 +404,6 @@ inline void register_fma_peak_isas() {
   }
 }
 
-/// The main of every bench/*.cpp: Google Benchmark's flags first, then the benchmarks
-/// `register_benchmarks()` registers, then the run. Returns main's exit code.
 /// Whether a benchmark's result failed its check (fail_check) in this process.
 inline std::atomic<bool>& check_failed() {
   static std::atomic<bool> failed{false};
@@ -420,6 +418,9 @@ inline void fail_check(benchmark::State& state, const std::string& what) {
   state.SkipWithError(what.c_str());
 }
 
+/// The main of every bench/*.cpp: Google Benchmark's flags first, then the benchmarks
+/// `register_benchmarks()` registers, then the run. Returns main's exit code: 1 if a
+/// benchmark called fail_check.
 template <class Register>
 int run(int argc, char** argv, const Register& register_benchmarks) {
   benchmark::Initialize(&argc, argv);
