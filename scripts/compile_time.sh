@@ -6,12 +6,17 @@
 # the three interleaved, `runs` times each (default 3): median user CPU seconds, peak memory,
 # object size, and the functions the object defines (those of an AVX2 or AVX-512 namespace).
 #
-#   ./scripts/compile_time.sh [runs]        # CXX=clang++ for clang; OPT=-O2 by default
+#   ./scripts/compile_time.sh [runs] [json]   # CXX=clang++ for clang; OPT=-O2 by default
+#
+# With a second argument it also writes every run's figures there as JSON: the committed
+# results/compile_time.json, from which scripts/perf_tables.py writes the tables of
+# docs/compile-time.md and the README (its entry in results/runs.json names the CPU).
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
 runs="${1:-3}"
+json="${2:-}"
 cxx="${CXX:-g++}"
 opt="${OPT:--O2}"
 out="build/compile_time"
@@ -28,6 +33,8 @@ sources[compiled]=scripts/compile_time/one_call.cpp
 variants=(eigen header_only compiled)
 
 declare -A seconds memory
+start_date="$(date -u +%Y-%m-%dT%H:%M:%S)"
+read -r load_1 _ </proc/loadavg
 for ((run = 0; run < runs; ++run)); do
   for variant in "${variants[@]}"; do
     # shellcheck disable=SC2086  # the flags are words
@@ -61,3 +68,28 @@ for variant in "${variants[@]}"; do
   ratio="$(awk -v a="$s" -v b="$eigen_seconds" 'BEGIN {printf "%.2f", a / b}')"
   echo "| $name | $s s (${ratio}x) | $mb MB | $kib KiB | $defined ($avx2 / $avx512) |"
 done
+
+if [[ -n "$json" ]]; then
+  # words of a bash list as a JSON array of numbers
+  numbers() { echo "[$(echo "$1" | xargs | tr ' ' ',')]"; }
+  {
+    echo "{"
+    echo "  \"context\": {\"date\": \"$start_date\", \"compiler\": \"$("$cxx" --version | head -n 1)\","
+    echo "              \"flags\": \"$opt\", \"runs\": $runs, \"load_avg\": [$load_1]},"
+    echo "  \"units\": {"
+    for variant in "${variants[@]}"; do
+      defined="$(nm -C --defined-only "$out/$variant.o" | grep -E ' [TtWw] ')"
+      echo "    \"$variant\": {\"user_seconds\": $(numbers "${seconds[$variant]}"),"
+      echo "      \"peak_kib\": $(numbers "${memory[$variant]}"),"
+      echo "      \"object_bytes\": $(stat -c %s "$out/$variant.o"),"
+      echo "      \"functions\": $(grep -c . <<<"$defined" || true),"
+      echo "      \"avx2_functions\": $(grep -c 'detail::avx2::' <<<"$defined" || true),"
+      echo "      \"avx512_functions\": $(grep -c 'detail::avx512::' <<<"$defined" || true)}$([[ "$variant" == "${variants[-1]}" ]] || echo ,)"
+    done
+    echo "  }"
+    echo "}"
+  } >"$json"
+  python3 -m json.tool "$json" >/dev/null
+  echo
+  echo "wrote $json"
+fi

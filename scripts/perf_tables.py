@@ -38,7 +38,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 PAGES = ["README.md", "docs/performance.md", "docs/quantized-cache.md", "docs/tiny_lm.md",
          "docs/serving.md", "docs/precision.md", "docs/mla.md", "docs/distributed.md",
-         "docs/training.md"]
+         "docs/training.md", "docs/compile-time.md"]
 BEGIN = re.compile(r"^<!-- perf-table: ([\w-]+) -->$")
 END = "<!-- /perf-table -->"
 ISAS = ["generic", "avx2", "avx512"]
@@ -1060,6 +1060,56 @@ def table_distributed_model():
     return lines
 
 
+# --- compile time (scripts/compile_time.sh) ----------------------------------------------------
+
+COMPILE_UNITS = {
+    "eigen": "the same attention on Eigen alone",
+    "header_only": "the README's one call, header-only (`attn::attn`)",
+    "compiled": "the same, against `attn::compiled`",
+}
+
+
+def compile_time_data():
+    """results/compile_time.json: {variant: median user seconds, median peak MiB, entry}."""
+    with open(RESULTS / "compile_time.json", encoding="utf-8") as f:
+        data = json.load(f)
+    units = {}
+    for variant, u in data["units"].items():
+        units[variant] = (statistics.median(u["user_seconds"]),
+                          int(statistics.median(u["peak_kib"])) // 1024, u)
+    return data["context"], units
+
+
+def table_compile_time():
+    context, units = compile_time_data()
+    eigen = units["eigen"][0]
+    lines = source("compile_time.json", probes=f"{context['compiler']}, {context['flags']}; "
+                   f"the median of {context['runs']} runs of each unit, interleaved; the ratio "
+                   "is of the unit on Eigen alone")
+    lines += ["| translation unit | user CPU | peak memory | object | functions (AVX2 / AVX-512) |",
+              "|---|---|---|---|---|"]
+    for variant, name in COMPILE_UNITS.items():
+        seconds, mib, u = units[variant]
+        lines.append(f"| {name} | {seconds:.2f} s ({seconds / eigen:.2f}x) | {mib} MB | "
+                     f"{u['object_bytes'] // 1024} KiB | {u['functions']} "
+                     f"({u['avx2_functions']} / {u['avx512_functions']}) |")
+    return lines
+
+
+def table_compile_time_readme():
+    context, units = compile_time_data()
+    lines = source("compile_time.json", probes=f"{context['compiler'].split(' (')[0]} "
+                   f"{context['flags']}, the median of {context['runs']} runs")
+    lines += ["| a unit with one attention call | user CPU | compiler's peak memory |",
+              "|---|---|---|"]
+    for variant, name in (("header_only", "header-only (`attn::attn`)"),
+                          ("compiled", "against `attn::compiled`"),
+                          ("eigen", "the same attention on Eigen alone")):
+        seconds, mib, _ = units[variant]
+        lines.append(f"| {name} | {seconds:.1f} s | {mib} MB |")
+    return lines
+
+
 TABLES = {
     "readme": table_readme,
     "flash-isa": table_flash_isa,
@@ -1090,6 +1140,8 @@ TABLES = {
     "mla-step": table_mla_step,
     "distributed-ring": table_distributed_ring,
     "distributed-model": table_distributed_model,
+    "compile-time": table_compile_time,
+    "compile-time-readme": table_compile_time_readme,
 }
 
 
