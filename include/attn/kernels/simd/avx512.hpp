@@ -146,6 +146,14 @@ inline vec load_nibbles_centered(const std::uint8_t* nibbles, int i) {
 inline float half_to_float(Eigen::half x) {
   return _cvtsh_ss(x.x);
 }
+// Without optimisation GCC implements the intrinsics that take an immediate (the gathers
+// too) as macros, which pass their __mmask16 to a builtin taking a signed short:
+// -Wsign-conversion would fire at -O0 in the user's code for a conversion that is GCC's own.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wsign-conversion"
+#endif
+
 /// out[b, j] = the fp16 scale of block b of row j as float, for rows j < count of quantized
 /// blocks `stride` blocks apart and b < blocks (out (blocks, out_stride); 0 from count up to
 /// a whole vector): one gather per vector of rows, of the 4 bytes at each block's start (its
@@ -196,14 +204,6 @@ inline vec load_widened(const Eigen::bfloat16* src) {
   return _mm512_castsi512_ps(
       _mm512_maskz_slli_epi32(all_lanes, _mm512_maskz_cvtepu16_epi32(all_lanes, bits), 16));
 }
-
-// Without optimisation GCC implements the intrinsics that take an immediate as macros, which
-// pass their __mmask16 to a builtin taking a signed short: -Wsign-conversion would fire at
-// -O0 in the user's code for a conversion that is GCC's own.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wsign-conversion"
-#endif
 
 /// a * b - c, one rounding.
 inline vec fmsub(vec a, vec b, vec c) {
