@@ -21,6 +21,13 @@
 // rest rounds each operation, as clang's default (contraction within one expression only)
 // does too.
 //
+// And in a unit optimised for speed (-O1, -O2; not -O0, where one debugs, nor -Os) GCC
+// compiles the regions at -O3, so that a plain -O2 build runs the kernels as fast as an -O3
+// one: at -O2 GCC 12 left decode over q8_0 and q4_0 caches 1.05-1.19x slower, and no one
+// flag of -O3 made up the difference (docs/performance.md, "Tuning choices"). The price is
+// the regions' compile time at -O2. (-O3 changes no result: contraction stays off and GCC
+// reassociates no floating-point sum without -ffast-math.)
+//
 // Values of vector type never cross from a region to code outside it: the interface of the
 // region's kernels is pointers and scalars (a __m256 argument between functions of different
 // targets changes the calling convention).
@@ -52,26 +59,31 @@
   _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c\"))), apply_to = function)")
 #define ATTN_END_TARGET _Pragma("clang attribute pop")
 #else
+#if defined(__OPTIMIZE__) && !defined(__OPTIMIZE_SIZE__)
+#define ATTN_DETAIL_GCC_KERNEL_OPTIONS _Pragma("GCC optimize(\"O3,fp-contract=off\")")
+#else
+#define ATTN_DETAIL_GCC_KERNEL_OPTIONS _Pragma("GCC optimize(\"fp-contract=off\")")
+#endif
 #if defined(__AVX512F__)
 #define ATTN_BEGIN_TARGET_AVX2                                          \
   _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")") \
-      _Pragma("GCC optimize(\"fp-contract=off\")")
+      ATTN_DETAIL_GCC_KERNEL_OPTIONS
 #else
 #define ATTN_BEGIN_TARGET_AVX2                                                     \
   _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c,no-avx512f\")") \
-      _Pragma("GCC optimize(\"fp-contract=off\")")
+      ATTN_DETAIL_GCC_KERNEL_OPTIONS
 #endif
 #define ATTN_BEGIN_TARGET_AVX512                                                \
   _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx2,fma,f16c\")") \
-      _Pragma("GCC optimize(\"fp-contract=off\")")
+      ATTN_DETAIL_GCC_KERNEL_OPTIONS
 #define ATTN_BEGIN_TARGET_AVX512_VNNI                                           \
   _Pragma("GCC push_options")                                                   \
       _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c\")") \
-          _Pragma("GCC optimize(\"fp-contract=off\")")
+          ATTN_DETAIL_GCC_KERNEL_OPTIONS
 #define ATTN_BEGIN_TARGET_AVX512_BF16                                                      \
   _Pragma("GCC push_options")                                                              \
       _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx2,fma,f16c\")") \
-          _Pragma("GCC optimize(\"fp-contract=off\")")
+          ATTN_DETAIL_GCC_KERNEL_OPTIONS
 #define ATTN_END_TARGET _Pragma("GCC pop_options")
 #endif
 // clang-format on
