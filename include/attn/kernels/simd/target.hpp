@@ -23,7 +23,7 @@
 //
 // And in a unit optimised for speed (-O1, -O2; not -O0, where one debugs, nor -Os) GCC
 // compiles the regions at -O3, so that a plain -O2 build runs the kernels as fast as an -O3
-// one: at -O2 GCC 12 left decode over q8_0 and q4_0 caches 1.05-1.19x slower, and no one
+// one: at -O2 GCC 12 left decode over q8_0 and q4_0 caches 1.04-1.21x slower, and no one
 // flag of -O3 made up the difference (docs/performance.md, "Tuning choices"). The price is
 // the regions' compile time at -O2. (-O3 changes no result: contraction stays off and GCC
 // reassociates no floating-point sum without -ffast-math.)
