@@ -52,21 +52,27 @@ echo "$("$cxx" --version | head -n 1), $opt; $cpu; $(date -u +%Y-%m-%d); median 
 echo
 echo "| translation unit | user CPU | peak memory | object | functions (AVX2 / AVX-512) |"
 echo "|---|---|---|---|---|"
+# The functions each object defines, and those of an AVX2 or AVX-512 namespace (the table
+# and the JSON both read these).
+declare -A functions avx2_functions avx512_functions
+for variant in "${variants[@]}"; do
+  defined="$(nm -C --defined-only "$out/$variant.o" | grep -E ' [TtWw] ' || true)"
+  functions[$variant]="$(grep -c . <<<"$defined" || true)"
+  avx2_functions[$variant]="$(grep -c 'detail::avx2::' <<<"$defined" || true)"
+  avx512_functions[$variant]="$(grep -c 'detail::avx512::' <<<"$defined" || true)"
+done
 eigen_seconds="$(echo "${seconds[eigen]}" | median)"
 for variant in "${variants[@]}"; do
   s="$(echo "${seconds[$variant]}" | median)"
   mb=$(($(echo "${memory[$variant]}" | median) / 1024))
   kib=$(($(stat -c %s "$out/$variant.o") / 1024))
-  defined="$(nm -C --defined-only "$out/$variant.o" | grep -cE ' [TtWw] ' || true)"
-  avx2="$(nm -C --defined-only "$out/$variant.o" | grep -E ' [TtWw] ' | grep -c 'detail::avx2::' || true)"
-  avx512="$(nm -C --defined-only "$out/$variant.o" | grep -E ' [TtWw] ' | grep -c 'detail::avx512::' || true)"
   case "$variant" in
     eigen) name="the same attention on Eigen alone" ;;
     header_only) name="the README's one call, header-only (\`attn::attn\`)" ;;
     compiled) name="the same, against \`attn::compiled\`" ;;
   esac
   ratio="$(awk -v a="$s" -v b="$eigen_seconds" 'BEGIN {printf "%.2f", a / b}')"
-  echo "| $name | $s s (${ratio}x) | $mb MB | $kib KiB | $defined ($avx2 / $avx512) |"
+  echo "| $name | $s s (${ratio}x) | $mb MB | $kib KiB | ${functions[$variant]} (${avx2_functions[$variant]} / ${avx512_functions[$variant]}) |"
 done
 
 if [[ -n "$json" ]]; then
@@ -78,13 +84,12 @@ if [[ -n "$json" ]]; then
     echo "              \"flags\": \"$opt\", \"runs\": $runs, \"load_avg\": [$load_1]},"
     echo "  \"units\": {"
     for variant in "${variants[@]}"; do
-      defined="$(nm -C --defined-only "$out/$variant.o" | grep -E ' [TtWw] ')"
       echo "    \"$variant\": {\"user_seconds\": $(numbers "${seconds[$variant]}"),"
       echo "      \"peak_kib\": $(numbers "${memory[$variant]}"),"
       echo "      \"object_bytes\": $(stat -c %s "$out/$variant.o"),"
-      echo "      \"functions\": $(grep -c . <<<"$defined" || true),"
-      echo "      \"avx2_functions\": $(grep -c 'detail::avx2::' <<<"$defined" || true),"
-      echo "      \"avx512_functions\": $(grep -c 'detail::avx512::' <<<"$defined" || true)}$([[ "$variant" == "${variants[-1]}" ]] || echo ,)"
+      echo "      \"functions\": ${functions[$variant]},"
+      echo "      \"avx2_functions\": ${avx2_functions[$variant]},"
+      echo "      \"avx512_functions\": ${avx512_functions[$variant]}}$([[ "$variant" == "${variants[-1]}" ]] || echo ,)"
     done
     echo "  }"
     echo "}"
