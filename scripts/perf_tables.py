@@ -400,18 +400,20 @@ def table_decode_formats():
     return lines
 
 
-def table_decode_formats_cold():
+def table_decode_formats_cold(cpu=""):
     """Lk = 32768 with the caches warm (each call after the last) and cold (evicted before each
-    call), as shares of the probe of the same run, and q8_0 over half in both."""
-    _, b = bench("decode_formats_cold.json")
+    call), as shares of the probe of the same run, and q8_0 over half in both; `cpu` is the
+    files' suffix (results/decode_formats_cold<cpu>.json and ggml_decode_cold<cpu>.json)."""
+    results_name, ggml_name = f"decode_formats_cold{cpu}.json", f"ggml_decode_cold{cpu}.json"
+    _, b = bench(results_name)
     probes = {t: b[f"bandwidth/threads:{t}"]["bytes"] for t in (1, 2)
               if f"bandwidth/threads:{t}" in b}
     rates = {k[1:]: r for k, r in decode_rates(b).items() if k[0] == 32768}
     formats = [f for f in FORMATS + ["q8_0 int8", "q4_0 int8"]
                if any(k[2] == f for k in rates)]
     best_q8 = "q8_0 int8" if "q8_0 int8" in formats else "q8_0"
-    ggml = {k[1:]: r for k, r in ggml_rates("ggml_decode_cold.json").items() if k[0] == 32768}
-    lines = source("decode_formats_cold.json", "ggml_decode_cold.json",
+    ggml = {k[1:]: r for k, r in ggml_rates(ggml_name).items() if k[0] == 32768}
+    lines = source(results_name, ggml_name,
                    probes="K/V bytes a call must read per second as shares of the streaming probe "
                    "`bandwidth` of the same run ("
                    + ", ".join(f"{p / 2**30:.1f} GiB/s on {'one thread' if t == 1 else 'two'}"
@@ -480,10 +482,12 @@ def table_stream_compute():
     return lines
 
 
-def table_decode_phases():
+def table_decode_phases(cpu=""):
     """Decode's phases on one key block from L1 (bench_decode_phases): ns per key for one query
-    row and for four (GQA 32/8), per instruction set and K/V format, and their sum."""
-    _, b = bench("decode_phases.json")
+    row and for four (GQA 32/8), per instruction set and K/V format, and their sum; from
+    results/decode_phases<cpu>.json."""
+    results_name = f"decode_phases{cpu}.json"
+    _, b = bench(results_name)
     ns = {}  # (phase, isa, rows, format): ns per key
     for name, e in b.items():
         m = re.match(r"decode_phase_(scores|softmax|values)(_int8)?(?:/(\w+))?/rows:(\d)/format:(\d)$",
@@ -497,7 +501,7 @@ def table_decode_phases():
     probes = ", ".join(f"`fma_peak` {e['FLOPS'] / 1e9:.0f} GFLOP/s" if "FLOPS" in e else
                        f"`int8_dot_peak` {e['OPS'] / 1e9:.0f} G int8 operations/s (two a "
                        "multiply-add)" for _, e in sorted(peaks.items()))
-    lines = source("decode_phases.json",
+    lines = source(results_name,
                    probes="nanoseconds per key of a 64-key block of K and V read from L1, D = 128, "
                    "one thread, for one query row / four (G = 4, GQA 32/8); \"int8\": the scores "
                    "on int8 products; \"a key in all\": the sum of the three phases; the "
@@ -522,6 +526,14 @@ def table_decode_phases():
             lines.append(f"| {label} | {fmt} | " + " | ".join(row)
                          + f" | {totals[0]:.2f} / {totals[1]:.2f} |")
     return lines
+
+
+def table_decode_formats_cold_zen5():
+    return table_decode_formats_cold("_zen5")
+
+
+def table_decode_phases_zen5():
+    return table_decode_phases("_zen5")
 
 
 def pages_table(name, what, rates, formats):
@@ -1120,6 +1132,8 @@ TABLES = {
     "stream-compute": table_stream_compute,
     "decode-huge-pages": table_decode_huge_pages,
     "decode-phases": table_decode_phases,
+    "decode-formats-cold-zen5": table_decode_formats_cold_zen5,
+    "decode-phases-zen5": table_decode_phases_zen5,
     "kv-cache-pages": table_kv_cache_pages,
     "prefill-formats": table_prefill_formats,
     "prefill-formats-int8": table_prefill_formats_int8,
