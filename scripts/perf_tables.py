@@ -38,7 +38,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 PAGES = ["README.md", "docs/performance.md", "docs/quantized-cache.md", "docs/tiny_lm.md",
          "docs/serving.md", "docs/precision.md", "docs/mla.md", "docs/distributed.md",
-         "docs/training.md", "docs/compile-time.md"]
+         "docs/training.md", "docs/compile-time.md", "docs/instruction-sets.md"]
 BEGIN = re.compile(r"^<!-- perf-table: ([\w-]+) -->$")
 END = "<!-- /perf-table -->"
 ISAS = ["generic", "avx2", "avx512"]
@@ -243,9 +243,9 @@ def table_peers():
     return lines
 
 
-def flash_isa_data():
-    """results/flash_isa.json: bench_attention's fma_peak, fma_peak_isa and flash_isa."""
-    _, b = bench("flash_isa.json")
+def flash_isa_data(name="flash_isa.json"):
+    """results/<name>: bench_attention's fma_peak, fma_peak_isa and flash_isa."""
+    _, b = bench(name)
     probes = {isa: rate(b[f"fma_peak_isa/{isa}/threads:1"]) for isa in ("avx2", "avx512")
               if f"fma_peak_isa/{isa}/threads:1" in b}
     probes["generic"] = rate(b["fma_peak/threads:1"])  # the widest set's: the machine's ceiling
@@ -278,6 +278,27 @@ def table_flash_isa():
             speedup = f"{base['real_time'] / e['real_time']:.2f}x"
         lines.append(f"| {isa} | {length} | {dim} | {'yes' if causal else 'no'} | "
                      f"{gflops(rate(e))} | {share(rate(e), probes[isa])} | {speedup} |")
+    return lines
+
+
+def table_avx512_over_avx2():
+    """Flash's AVX-512 kernel against its AVX2 one on each CPU with a flash_isa run."""
+    files = ["flash_isa.json", "flash_isa_zen5.json"]
+    lines = source(*files, probes="flash, L = 4096, one thread, GFLOP/s and in brackets the "
+                   "share of the FMA probe of the same instruction set in the same run")
+    lines += ["| CPU | D | causal | AVX2 | AVX-512 | AVX-512 over AVX2 |",
+              "|---|---|---|---|---|---|"]
+    for name in files:
+        probes, rows = flash_isa_data(name)
+        cpu = runs()[name]["cpu"].split(" (")[0]
+        for (isa, length, dim, causal), e in sorted(rows.items()):
+            if isa != "avx512" or ("avx2", length, dim, causal) not in rows:
+                continue
+            narrow = rows[("avx2", length, dim, causal)]
+            lines.append(f"| {cpu} | {dim} | {'yes' if causal else 'no'} | "
+                         f"{gflops(rate(narrow))} ({share(rate(narrow), probes['avx2'])}) | "
+                         f"{gflops(rate(e))} ({share(rate(e), probes['avx512'])}) | "
+                         f"{rate(e) / rate(narrow):.2f}x |")
     return lines
 
 
@@ -1132,6 +1153,7 @@ TABLES = {
     "stream-compute": table_stream_compute,
     "decode-huge-pages": table_decode_huge_pages,
     "decode-phases": table_decode_phases,
+    "avx512-over-avx2": table_avx512_over_avx2,
     "decode-formats-cold-zen5": table_decode_formats_cold_zen5,
     "decode-phases-zen5": table_decode_phases_zen5,
     "kv-cache-pages": table_kv_cache_pages,
