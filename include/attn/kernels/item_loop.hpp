@@ -31,6 +31,30 @@ void for_each_item(Index items, bool parallel, const MakeScratch& make_scratch, 
   }
 }
 
+/// for_each_item with the items handed out in runs of consecutive items, about
+/// `runs_per_thread` runs a thread: a thread's items then read memory in long runs (decode's
+/// splits of one kv head follow each other in its keys), and the runs keep the dynamic
+/// schedule's balance. Which thread computes an item still changes nothing in it.
+template <class MakeScratch, class Body>
+void for_each_item_in_runs(Index items, bool parallel, Index runs_per_thread,
+                           const MakeScratch& make_scratch, const Body& body) {
+  (void)parallel;
+  (void)runs_per_thread;
+#if ATTN_HAS_OPENMP
+#pragma omp parallel if (parallel)
+#endif
+  {
+    auto scratch = make_scratch();
+#if ATTN_HAS_OPENMP
+    const Index threads = omp_get_num_threads();
+    const Index run = std::max<Index>(1, items / (threads * runs_per_thread));
+#pragma omp for schedule(dynamic, run)
+#endif
+    for (Index item = 0; item < items; ++item)
+      body(item, scratch);
+  }
+}
+
 /// One work item of the query-tiled kernels (chunked, flash): query rows [i0, i0 + rows) of
 /// head h of batch entry b.
 struct QueryTileItem {
