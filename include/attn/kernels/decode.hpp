@@ -112,15 +112,16 @@ void decode_attention(const KernelPlan& plan,
   // head's keys, and each split began on rows the other thread's prefetches had requested
   // (docs/performance.md, "Tuning choices": "Decode's runs of splits").
   constexpr Index runs_per_thread = 8;
-  for_each_item_in_runs(work_items, plan.parallel, runs_per_thread, make_workspace,
-                        [&](Index item, Workspace<T>& workspace) {
-                          const Index pair = item / splits;  // b * Hkv + kv head
-                          const Index j0 = (item % splits) * plan.split_keys;
-                          const Index j1 = std::min(j0 + plan.split_keys, k.length);
-                          decode_split(q, k, v, problem, scale, pair / kv_heads, pair % kv_heads,
-                                       j0, j1, key_block, workspace,
-                                       partials.data() + item * partial_size);
-                        });
+  for_each_item(
+      work_items, plan.parallel, make_workspace,
+      [&](Index item, Workspace<T>& workspace) {
+        const Index pair = item / splits, split = item % splits;  // b * Hkv + kv head
+        const Index j0 = split * plan.split_keys;
+        const Index j1 = std::min(j0 + plan.split_keys, k.length);
+        decode_split(q, k, v, problem, scale, pair / kv_heads, pair % kv_heads, j0, j1, key_block,
+                     workspace, partials.data() + item * partial_size);
+      },
+      runs_per_thread);
   for_each_item(
       groups, plan.parallel, [] { return 0; },
       [&](Index pair, int) {

@@ -1,10 +1,11 @@
 // attn/kernels/item_loop.hpp: the parallel loop over the independent work items of a kernel.
 //
-// Items are handed to the OpenMP threads dynamically, one at a time; each thread makes its
-// scratch once (make_scratch()) and reuses it for all its items. Every item is computed by
-// one thread in the same way whatever the thread count, so results are bitwise identical
-// for any number of threads. Small problems (under about a million FLOPs, attn/plan.hpp) run
-// on the calling thread: a parallel region costs more than they do.
+// Items are handed to the OpenMP threads dynamically, one at a time or in runs of
+// consecutive items; each thread makes its scratch once (make_scratch()) and reuses it for
+// all its items. Every item is computed by one thread in the same way whatever the thread
+// count, so results are bitwise identical for any number of threads. Small problems (under
+// about a million FLOPs, attn/plan.hpp) run on the calling thread: a parallel region costs
+// more than they do.
 #pragma once
 
 #include <algorithm>
@@ -14,30 +15,13 @@
 namespace attn::detail {
 
 /// body(item, scratch) for every item in [0, items), on the OpenMP threads when `parallel`
-/// (KernelPlan::parallel).
+/// (KernelPlan::parallel): one item at a time, or with `runs_per_thread` > 0 in runs of
+/// consecutive items, about that many a thread, so that a thread's items read memory in long
+/// stretches (decode's splits of one kv head follow each other in its keys) while the runs
+/// keep the dynamic schedule's balance.
 template <class MakeScratch, class Body>
-void for_each_item(Index items, bool parallel, const MakeScratch& make_scratch, const Body& body) {
-  (void)parallel;
-#if ATTN_HAS_OPENMP
-#pragma omp parallel if (parallel)
-#endif
-  {
-    auto scratch = make_scratch();
-#if ATTN_HAS_OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-    for (Index item = 0; item < items; ++item)
-      body(item, scratch);
-  }
-}
-
-/// for_each_item with the items handed out in runs of consecutive items, about
-/// `runs_per_thread` runs a thread: a thread's items then read memory in long runs (decode's
-/// splits of one kv head follow each other in its keys), and the runs keep the dynamic
-/// schedule's balance. Which thread computes an item still changes nothing in it.
-template <class MakeScratch, class Body>
-void for_each_item_in_runs(Index items, bool parallel, Index runs_per_thread,
-                           const MakeScratch& make_scratch, const Body& body) {
+void for_each_item(Index items, bool parallel, const MakeScratch& make_scratch, const Body& body,
+                   Index runs_per_thread = 0) {
   (void)parallel;
   (void)runs_per_thread;
 #if ATTN_HAS_OPENMP
@@ -47,7 +31,8 @@ void for_each_item_in_runs(Index items, bool parallel, Index runs_per_thread,
     auto scratch = make_scratch();
 #if ATTN_HAS_OPENMP
     const Index threads = omp_get_num_threads();
-    const Index run = std::max<Index>(1, items / (threads * runs_per_thread));
+    const Index run =
+        runs_per_thread > 0 ? std::max<Index>(1, items / (threads * runs_per_thread)) : 1;
 #pragma omp for schedule(dynamic, run)
 #endif
     for (Index item = 0; item < items; ++item)
