@@ -282,7 +282,7 @@ TEST_CASE("decode results are bitwise identical for 1, 2 and 3 threads",
     const auto k = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.dim, rng);
     const auto v = random_heads<float>(p.batch, p.kv_heads, p.k_length, p.value_dim, rng);
     const Heads<Eigen::half> kh = k.cast<Eigen::half>(), vh = v.cast<Eigen::half>();
-    // 40 items (4 kv heads x 10 splits): runs of 2 items on 2 threads, of 1 on 3
+    // 40 items (2 batch entries x 2 kv heads x 10 splits): runs of 2 on 2 threads, of 1 on 3
     std::vector<float> results[3], half_results[3], lse[3];
     for (int threads : {1, 2, 3}) {
       omp_set_num_threads(threads);
